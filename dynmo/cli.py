@@ -1,0 +1,38 @@
+"""`dynmo VERB ...`: each verb is one module with a `main(argv) -> int`.
+
+Verbs are imported lazily so `dynmo balance` never pays for importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+VERBS = {
+    "train": ("dynmo.launch", "train a pipeline-parallel model (launches torchrun)"),
+    "balance": ("dynmo.balance.cli", "decide a layout for a cost problem (JSON in, JSON out)"),
+    "simulate": ("dynmo.sim.cli", "simulate pipeline schedules at cluster scale"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: dynmo VERB [options]   (dynmo VERB --help for a verb's options)", "", "verbs:"]
+    lines += [f"  {name:<10} {doc}" for name, (_, doc) in VERBS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    verb, rest = argv[0], argv[1:]
+    if verb not in VERBS:
+        print(f"dynmo: unknown verb {verb!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(VERBS[verb][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
