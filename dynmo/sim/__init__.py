@@ -1,0 +1,1 @@
+"""Pure pipeline simulator (no torch): schedules' op order and an event-driven engine."""
