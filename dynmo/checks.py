@@ -1,0 +1,141 @@
+"""Validate a configuration before any process starts work: clear errors, never a hang.
+
+Import-light (no torch): the launcher calls it before spawning torchrun, and every rank calls
+it again at start-up.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dynmo.config import Config, ConfigError
+from dynmo.layout import Layout, LayoutError
+
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved1f1b", "interleavedzb", "zbv")
+MULTI_STAGE = ("interleaved1f1b", "interleavedzb", "zbv")
+MODEL_SHAPE_FIELDS = ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "mlp_ratio")
+
+
+def num_layers(cfg: Config) -> int:
+    return cfg.model.n_layers + 2
+
+
+def resolve_pp(cfg: Config, world: int) -> int:
+    p = cfg.parallel
+    if p.dp < 1:
+        raise ConfigError(f"parallel.dp must be >= 1, got {p.dp}")
+    if p.pp:
+        return p.pp
+    if world % p.dp:
+        raise ConfigError(f"{world} ranks cannot be split into parallel.dp={p.dp} replicas")
+    return world // p.dp
+
+
+def parse_relayouts(cfg: Config, num_stages: int) -> dict[int, Layout]:
+    out: dict[int, Layout] = {}
+    for entry in cfg.parallel.relayout:
+        if ":" not in entry:
+            raise ConfigError(f"parallel.relayout entry {entry!r} must look like STEP:LAYOUT, e.g. 5:0,3,6,10")
+        step_s, lay = entry.split(":", 1)
+        try:
+            step = int(step_s)
+        except ValueError:
+            raise ConfigError(f"parallel.relayout entry {entry!r}: step {step_s!r} is not an integer") from None
+        layout = _explicit_layout(lay, cfg, num_stages, f"parallel.relayout entry {entry!r}")
+        out[step] = layout
+    return out
+
+
+def _explicit_layout(text: str, cfg: Config, num_stages: int, where: str) -> Layout:
+    n = num_layers(cfg)
+    try:
+        layout = Layout.parse(text, n)
+    except LayoutError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    if layout.num_stages != num_stages:
+        raise ConfigError(
+            f"{where}: layout {layout} has {layout.num_stages} stages but the pipeline has {num_stages}"
+        )
+    return layout
+
+
+def validate(cfg: Config, world: int) -> None:
+    """Raise ConfigError naming the problem and the fix. `world` = number of ranks."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    if p.schedule.lower() not in SCHEDULE_NAMES:
+        raise ConfigError(f"unknown schedule {p.schedule!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
+    sched = p.schedule.lower()
+    pp = resolve_pp(cfg, world)
+    if pp * p.dp != world:
+        raise ConfigError(f"parallel.pp={pp} x parallel.dp={p.dp} = {pp * p.dp} ranks, but {world} were requested")
+    v = p.virtual_stages
+    if sched == "zbv" and v != 2:
+        raise ConfigError("schedule zbv needs parallel.virtual_stages = 2")
+    if sched not in MULTI_STAGE and v != 1:
+        raise ConfigError(f"schedule {sched} runs one stage per rank; set parallel.virtual_stages = 1 "
+                          f"or use one of {', '.join(MULTI_STAGE)}")
+    if v < 1:
+        raise ConfigError(f"parallel.virtual_stages must be >= 1, got {v}")
+    stages = pp * v
+    n = num_layers(cfg)
+    if stages > n:
+        raise ConfigError(
+            f"{stages} pipeline stages but only {n} layers (embedding + {m.n_layers} blocks + head); "
+            "every stage needs at least one layer: use fewer ranks/virtual stages or more model.n_layers"
+        )
+    if m.d_model % m.n_heads:
+        raise ConfigError(f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads}")
+    for name in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "mlp_ratio"):
+        if getattr(m, name) < 1:
+            raise ConfigError(f"model.{name} must be >= 1")
+    if t.steps < 0 or t.microbatches < 1 or t.global_batch < 1:
+        raise ConfigError("train.steps must be >= 0, train.microbatches and train.global_batch >= 1")
+    if t.global_batch % p.dp:
+        raise ConfigError(f"train.global_batch={t.global_batch} is not divisible by parallel.dp={p.dp}")
+    local = t.global_batch // p.dp
+    if local % t.microbatches:
+        raise ConfigError(
+            f"the per-replica batch {local} (train.global_batch / parallel.dp) is not divisible into "
+            f"train.microbatches={t.microbatches}; pick a microbatch count that divides it"
+        )
+    if sched in ("interleaved1f1b", "interleavedzb"):
+        rounds = max(1, t.microbatches // pp)
+        if t.microbatches % rounds:
+            raise ConfigError(f"{sched} needs train.microbatches to be a multiple of {rounds} with pp={pp}")
+    # initial layout
+    lay = p.layout.strip().lower()
+    if lay not in ("uniform", "params"):
+        _explicit_layout(p.layout, cfg, stages, "parallel.layout")
+    parse_relayouts(cfg, stages)
+    # data
+    for path in cfg.data.paths:
+        if not Path(path).exists():
+            raise ConfigError(f"data path {path!r} does not exist (data.paths takes text files or folders)")
+    if not cfg.data.paths:
+        from dynmo.data import DataError, default_corpus_dir
+
+        try:
+            default_corpus_dir()
+        except DataError as e:
+            raise ConfigError(str(e)) from None
+    if cfg.checkpoint.resume:
+        check_checkpoint(cfg, cfg.checkpoint.resume)
+
+
+def check_checkpoint(cfg: Config, path: str) -> dict:
+    meta_path = Path(path) / "dynmo.json"
+    if not meta_path.is_file():
+        raise ConfigError(f"checkpoint.resume={path!r} is not a dynmo checkpoint (no dynmo.json inside)")
+    meta = json.loads(meta_path.read_text())
+    diffs = [
+        f"model.{k}: checkpoint {meta['model'].get(k)} vs config {getattr(cfg.model, k)}"
+        for k in MODEL_SHAPE_FIELDS
+        if meta["model"].get(k) != getattr(cfg.model, k)
+    ]
+    if diffs:
+        raise ConfigError(
+            "the checkpoint holds a model of a different shape: " + "; ".join(diffs) +
+            ". Resume with the checkpoint's model settings (its config.toml is beside it)."
+        )
+    return meta

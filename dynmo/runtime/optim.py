@@ -1,0 +1,75 @@
+"""AdamW over a rank's layers, its per-parameter state, grad norms independent of the layout."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from dynmo.config import TrainConfig
+
+STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
+
+
+def param_groups(layers: dict[str, nn.Module], weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only (not on biases, norms); ordered by layer name then param."""
+    decay, no_decay = [], []
+    for lname in layers:
+        for _, p in layers[lname].named_parameters():
+            if p.requires_grad:
+                (decay if p.dim() >= 2 else no_decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(layers: dict[str, nn.Module], tc: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    return torch.optim.AdamW(
+        param_groups(layers, tc.weight_decay),
+        lr=tc.lr,
+        betas=(tc.beta1, tc.beta2),
+        # Per-tensor kernels on CPU keep the update identical however params are grouped.
+        foreach=None if device.type == "cuda" else False,
+    )
+
+
+def layer_state(opt: torch.optim.Optimizer, layer: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
+    """{param name: {step, exp_avg, exp_avg_sq}} for one layer (empty before the first step)."""
+    return {n: dict(opt.state[p]) for n, p in layer.named_parameters() if p in opt.state and opt.state[p]}
+
+
+def load_layer_state(opt: torch.optim.Optimizer, layer: nn.Module, state: dict[str, dict[str, torch.Tensor]]) -> None:
+    params = dict(layer.named_parameters())
+    for n, st in state.items():
+        opt.state[params[n]] = dict(st)
+
+
+def lr_at(step: int, tc: TrainConfig) -> float:
+    """Linear warm-up, then cosine decay to min_lr at the last step."""
+    if step < tc.warmup_steps:
+        return tc.lr * (step + 1) / tc.warmup_steps
+    span = max(1, tc.steps - tc.warmup_steps)
+    frac = min(1.0, (step - tc.warmup_steps) / span)
+    return tc.min_lr + 0.5 * (tc.lr - tc.min_lr) * (1 + math.cos(math.pi * frac))
+
+
+def layer_sq_norm(layer: nn.Module) -> torch.Tensor:
+    """Squared L2 norm of a layer's gradients, computed in a fixed order."""
+    norms = [p.grad.detach().float().pow(2).sum() for p in layer.parameters() if p.grad is not None]
+    if not norms:
+        return torch.zeros((), dtype=torch.float32)
+    return torch.stack(norms).sum()
+
+
+def clip_coefficient(layer_sq_norms: torch.Tensor, max_norm: float) -> tuple[float, float]:
+    """(total grad norm, scale factor) from per-layer squared norms indexed by layer.
+
+    Summing a fixed-length per-layer vector in layer order makes the norm, and so the
+    training, independent of which stage holds which layer.
+    """
+    total = float(layer_sq_norms.double().sum().sqrt())
+    if max_norm <= 0 or total <= max_norm:
+        return total, 1.0
+    return total, max_norm / (total + 1e-6)

@@ -1,0 +1,245 @@
+"""One rank's share of the pipeline: its layers, stages, schedule and optimizer.
+
+The layout can change between any two steps (`relayout`): moved layers travel with their
+weights, gradients and AdamW state, then the stages and the schedule are rebuilt. Training
+after a re-layout is the same computation as without it (bitwise on CPU), because
+  - every layer is built from its own seed and named by a stable name,
+  - AdamW updates each parameter independently of how parameters are grouped,
+  - the gradient norm is summed per layer in layer order, not per stage.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from dynmo.config import Config
+from dynmo.layout import Layout, LayoutError
+from dynmo.model.gpt import KINDS, LayerSpec, build_layer, layer_specs, loss_fn
+from dynmo.runtime import optim
+from dynmo.runtime.dist import DistContext
+from dynmo.runtime.schedules import schedule_kind, stage_to_rank
+from dynmo.runtime.stage import StageModule, TimedPipelineStage, example_io
+from dynmo.runtime.transfer import Packet, recv_packet, send_packet
+
+
+@dataclass
+class StepResult:
+    """What one rank saw during one training step."""
+
+    loss_sum: float  # sum of microbatch losses (last stage only, else 0)
+    loss_count: int
+    schedule_s: float  # wall time inside schedule.step
+    step_s: float  # wall time of the whole step (schedule + grad sync + optimizer)
+    stage_compute_s: dict[int, float]  # per local stage: seconds computing
+    grad_norm: float
+
+
+@dataclass
+class MigrationReport:
+    old: list[int]
+    new: list[int]
+    moves: list[dict] = field(default_factory=list)  # {"layer", "name", "from", "to"} (stages)
+    bytes: int = 0  # payload bytes sent by this rank (summed over ranks in the metrics)
+    seconds: float = 0.0
+
+    def as_event(self) -> dict:
+        return {
+            "type": "migration",
+            "old": self.old,
+            "new": self.new,
+            "layers_moved": len(self.moves),
+            "moves": self.moves,
+            "bytes": self.bytes,
+            "seconds": self.seconds,
+        }
+
+
+class Pipeline:
+    def __init__(self, cfg: Config, ctx: DistContext, layout: Layout):
+        self.cfg, self.ctx = cfg, ctx
+        self.specs: list[LayerSpec] = layer_specs(cfg.model)
+        self.kind = schedule_kind(cfg.parallel.schedule)
+        self.num_stages = ctx.pp * cfg.parallel.virtual_stages
+        self.placement = stage_to_rank(self.num_stages, ctx.pp, self.kind.style)
+        self._check_layout(layout)
+        self.layout = layout
+        self.microbatch = cfg.train.global_batch // ctx.dp // cfg.train.microbatches
+        self.layers: dict[int, nn.Module] = {
+            i: build_layer(self.specs[i], cfg.model, cfg.train.seed, ctx.device) for i in self._my_layers(layout)
+        }
+        self.optimizer = optim.build_optimizer(self._named_layers(), cfg.train, ctx.device)
+        self._build_schedule()
+
+    # ---- placement --------------------------------------------------------------------
+    def _check_layout(self, layout: Layout) -> None:
+        n = len(self.specs)
+        if layout.num_layers != n:
+            raise LayoutError(f"layout {layout} covers {layout.num_layers} layers, the model has {n}")
+        if layout.num_stages != self.num_stages:
+            raise LayoutError(
+                f"layout {layout} has {layout.num_stages} stages, the pipeline has {self.num_stages} "
+                f"(pp={self.ctx.pp} x virtual_stages={self.cfg.parallel.virtual_stages})"
+            )
+
+    def my_stages(self, layout: Layout | None = None) -> list[int]:
+        return [s for s in range((layout or self.layout).num_stages) if self.placement[s] == self.ctx.pp_rank]
+
+    def _my_layers(self, layout: Layout) -> list[int]:
+        return [i for s in self.my_stages(layout) for i in layout.layers(s)]
+
+    def _named_layers(self) -> dict[str, nn.Module]:
+        return {self.specs[i].name: self.layers[i] for i in sorted(self.layers)}
+
+    def layer_ranks(self, layout: Layout) -> list[int]:
+        """Pipeline rank holding each layer."""
+        return [self.placement[s] for s in layout.owner()]
+
+    # ---- build ------------------------------------------------------------------------
+    def _build_schedule(self) -> None:
+        m = self.cfg.model
+        self.stages: list[TimedPipelineStage] = []
+        for s in self.my_stages():
+            idx = list(self.layout.layers(s))
+            module = StageModule([self.specs[i].name for i in idx], [self.layers[i] for i in idx])
+            inputs, outputs = example_io(
+                s == 0, s == self.num_stages - 1, self.microbatch, m.seq_len, m.d_model, m.vocab_size, self.ctx.device
+            )
+            self.stages.append(
+                TimedPipelineStage(
+                    module,
+                    s,
+                    self.num_stages,
+                    self.ctx.device,
+                    input_args=inputs,
+                    output_args=outputs,
+                    group=self.ctx.pp_group,
+                )
+            )
+        stage_arg = self.stages if self.kind.multi else self.stages[0]
+        self.schedule = self.kind.cls(stage_arg, self.cfg.train.microbatches, loss_fn=loss_fn)
+
+    # ---- one step ---------------------------------------------------------------------
+    def train_step(self, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> StepResult:
+        t0 = time.perf_counter()
+        for st in self.stages:
+            st.reset_timers()
+        losses: list[torch.Tensor] = []
+        self.schedule.step(inputs.to(self.ctx.device), target=targets.to(self.ctx.device), losses=losses)
+        t_sched = time.perf_counter() - t0
+        self._sync_data_parallel_grads()
+        grad_norm, scale = self._clip_grads()
+        lr = optim.lr_at(step, self.cfg.train)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(
+            loss_sum=float(sum(l.item() for l in losses)),
+            loss_count=len(losses),
+            schedule_s=t_sched,
+            step_s=time.perf_counter() - t0,
+            stage_compute_s={st.stage_index: st.compute_s for st in self.stages},
+            grad_norm=grad_norm,
+        )
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for i in sorted(self.layers) for p in self.layers[i].parameters() if p.grad is not None]
+
+    def _sync_data_parallel_grads(self) -> None:
+        if self.ctx.dp_group is None:
+            return
+        grads = self._grads()
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.ctx.dp_group)
+        flat.div_(self.ctx.dp)
+        off = 0
+        for g in grads:
+            g.copy_(flat[off : off + g.numel()].view_as(g))
+            off += g.numel()
+
+    def _clip_grads(self) -> tuple[float, float]:
+        sq = torch.zeros(len(self.specs), dtype=torch.float32, device=self.ctx.device)
+        for i, layer in self.layers.items():
+            sq[i] = optim.layer_sq_norm(layer).to(self.ctx.device)
+        if self.ctx.pp > 1:
+            # each entry is non-zero on exactly one rank, so the sum is exact
+            dist.all_reduce(sq, group=self.ctx.pp_group)
+        total, scale = optim.clip_coefficient(sq.cpu(), self.cfg.train.grad_clip)
+        if scale != 1.0:
+            for g in self._grads():
+                g.mul_(scale)
+        return total, scale
+
+    @torch.no_grad()
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
+        losses: list[torch.Tensor] = []
+        self.schedule.eval(inputs.to(self.ctx.device), target=targets.to(self.ctx.device), losses=losses)
+        return float(sum(l.item() for l in losses)) / len(losses) if losses else None
+
+    # ---- migration ----------------------------------------------------------------------
+    def relayout(self, new: Layout) -> MigrationReport:
+        """Move layers so that `new` holds. Call on every rank between two steps."""
+        self._check_layout(new)
+        old = self.layout
+        report = MigrationReport(list(old.boundaries), list(new.boundaries))
+        if new == old:
+            return report
+        t0 = time.perf_counter()
+        states = {i: optim.layer_state(self.optimizer, self.layers[i]) for i in self.layers}
+        src_rank, dst_rank = self.layer_ranks(old), self.layer_ranks(new)
+        me, group, dev = self.ctx.pp_rank, self.ctx.pp_group, self.ctx.device
+        # Every rank walks the same global order, so each blocking send meets its receive.
+        for mv in old.moves_to(new):
+            i = mv.layer
+            report.moves.append({"layer": i, "name": self.specs[i].name, "from": mv.src, "to": mv.dst})
+            src, dst = src_rank[i], dst_rank[i]
+            if src == dst:
+                continue  # between two virtual stages of this rank: nothing to ship
+            if me == src:
+                report.bytes += send_packet(self._pack_layer(i, states.pop(i)), dst, group, dev)
+                del self.layers[i]
+            elif me == dst:
+                pkt = recv_packet(src, group, dev)
+                self.layers[i], states[i] = self._unpack_layer(pkt)
+        self.layout = new
+        self.optimizer = optim.build_optimizer(self._named_layers(), self.cfg.train, dev)
+        for i, layer in self.layers.items():
+            optim.load_layer_state(self.optimizer, layer, states.get(i, {}))
+        self._build_schedule()
+        report.seconds = time.perf_counter() - t0
+        return report
+
+    def _pack_layer(self, i: int, state: dict) -> Packet:
+        layer = self.layers[i]
+        tensors = {f"w.{k}": v for k, v in layer.state_dict().items()}
+        for n, p in layer.named_parameters():
+            if p.grad is not None:
+                tensors[f"g.{n}"] = p.grad
+            for k, v in state.get(n, {}).items():
+                tensors[f"o.{n}.{k}"] = v
+        return Packet({"spec": self.specs[i]}, tensors)
+
+    def _unpack_layer(self, pkt: Packet) -> tuple[nn.Module, dict]:
+        spec: LayerSpec = pkt.header["spec"]
+        self.specs[spec.index] = spec
+        with torch.device("meta"):
+            layer = KINDS[spec.kind](self.cfg.model)
+        layer = layer.to_empty(device=self.ctx.device)
+        weights = {k[2:]: v for k, v in pkt.tensors.items() if k.startswith("w.")}
+        layer.load_state_dict(weights, strict=True)
+        params = dict(layer.named_parameters())
+        state: dict[str, dict] = {}
+        for k, v in pkt.tensors.items():
+            if k.startswith("g."):
+                params[k[2:]].grad = v
+            elif k.startswith("o."):
+                pname, key = k[2:].rsplit(".", 1)
+                state.setdefault(pname, {})[key] = v
+        return layer, state

@@ -1,0 +1,219 @@
+"""Training entry point run on every rank: `torchrun --nproc-per-node N -m dynmo.train ...`.
+
+`dynmo train --nproc N ...` validates the config, prepares the data once and launches this.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Protocol
+
+import torch
+import torch.distributed as dist
+
+from dynmo import checks
+from dynmo.config import Config, ConfigError, load_config, to_toml
+from dynmo.data import TokenData, prepare
+from dynmo.layout import Layout, imbalance
+from dynmo.model.gpt import layer_param_counts
+from dynmo.runtime import checkpoint
+from dynmo.runtime import dist as rdist
+from dynmo.runtime.metrics import MetricsLog
+from dynmo.runtime.pipeline import Pipeline, StepResult
+
+
+class StepHook(Protocol):
+    """Seam for controllers and dynamic models: runs on every rank before each step.
+
+    May change the model or call `trainer.pipe.relayout(...)`; returns events for the metrics.
+    """
+
+    def __call__(self, trainer: "Trainer", step: int) -> list[dict]: ...
+
+
+def initial_layout(cfg: Config, num_stages: int) -> Layout:
+    n = checks.num_layers(cfg)
+    spec = cfg.parallel.layout.strip().lower()
+    if spec == "uniform":
+        return Layout.uniform(n, num_stages)
+    if spec == "params":
+        from dynmo.balance import Problem, balance
+
+        counts = layer_param_counts(cfg.model)
+        return Layout(tuple(balance(Problem(costs=counts, stages=num_stages), "deepspeed").boundaries))
+    return checks._explicit_layout(cfg.parallel.layout, cfg, num_stages, "parallel.layout")
+
+
+class Trainer:
+    def __init__(self, cfg: Config, ctx: rdist.DistContext):
+        self.cfg, self.ctx = cfg, ctx
+        self.out = Path(cfg.out)
+        folder = prepare(cfg.data.paths, cfg.model.vocab_size, cfg.data.cache_dir) if ctx.rank == 0 else None
+        obj = [str(folder) if folder else None]
+        dist.broadcast_object_list(obj, src=0)
+        self.data = TokenData.load(Path(obj[0]), cfg.model.seq_len, cfg.data.val_fraction, cfg.train.seed)
+        num_stages = ctx.pp * cfg.parallel.virtual_stages
+        self.pipe = Pipeline(cfg, ctx, initial_layout(cfg, num_stages))
+        self.start_step = 0
+        if cfg.checkpoint.resume:
+            self.start_step = checkpoint.load(self.pipe, Path(cfg.checkpoint.resume))
+        self.relayouts = checks.parse_relayouts(cfg, num_stages)
+        self.hooks: list[StepHook] = [self._forced_relayout]
+        self.kinds = [s.kind for s in self.pipe.specs]
+
+    # ---- hooks ---------------------------------------------------------------------------
+    def _forced_relayout(self, trainer: "Trainer", step: int) -> list[dict]:
+        if step not in self.relayouts:
+            return []
+        return [self.pipe.relayout(self.relayouts[step]).as_event() | {"reason": "forced"}]
+
+    # ---- batches ---------------------------------------------------------------------------
+    def _local_batch(self, step: int, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
+        g = self.cfg.train.global_batch
+        batch = torch.from_numpy(self.data.batch(step, g, split))
+        per = g // self.ctx.dp
+        mine = batch[self.ctx.dp_rank * per : (self.ctx.dp_rank + 1) * per]
+        return mine[:, :-1].contiguous(), mine[:, 1:].contiguous()
+
+    # ---- loop --------------------------------------------------------------------------------
+    def run(self) -> dict:
+        cfg, ctx = self.cfg, self.ctx
+        log = None
+        if ctx.is_logger:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "config.toml").write_text(to_toml(cfg))
+            log = MetricsLog(self.out, cfg.train.steps, self.start_step, cfg.log.tensorboard, cfg.log.progress, cfg.log.every)
+            print(
+                f"dynmo: {ctx.world} ranks (pp={ctx.pp} x dp={ctx.dp}, {ctx.backend}), schedule {cfg.parallel.schedule}, "
+                f"{len(self.pipe.specs)} layers, layout {self.pipe.layout.format(self.kinds)}",
+                flush=True,
+            )
+        t_start = time.perf_counter()
+        losses: list[float] = []
+        speeds: list[float] = []
+        for step in range(self.start_step, cfg.train.steps):
+            events: list[dict] = []
+            for hook in self.hooks:
+                events += hook(self, step) or []
+            x, y = self._local_batch(step)
+            res = self.pipe.train_step(step, x, y)
+            rec = self._record(step, res, events)
+            if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0:
+                rec["val_loss"] = self.validate()
+            losses.append(rec["loss"])
+            speeds.append(rec["tokens_per_s"])
+            if log:
+                log.log(rec)
+            if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0:
+                checkpoint.save(self.pipe, self.out / f"checkpoint-{step + 1}", step + 1, cfg)
+        if cfg.checkpoint.final:
+            checkpoint.save(self.pipe, self.out / "checkpoint-final", cfg.train.steps, cfg)
+        summary = {
+            "steps": cfg.train.steps,
+            "start_step": self.start_step,
+            "final_loss": losses[-1] if losses else None,
+            "wall_s": time.perf_counter() - t_start,
+            # the first step pays one-off set-up costs; leave it out of the mean when we can
+            "mean_tokens_per_s": (sum(speeds[1:]) / len(speeds[1:]) if len(speeds) > 1 else (speeds or [None])[0]),
+            "final_layout": list(self.pipe.layout.boundaries),
+            "world": ctx.world,
+            "pp": ctx.pp,
+            "dp": ctx.dp,
+            "schedule": cfg.parallel.schedule,
+        }
+        if log:
+            log.close(summary)
+        return summary
+
+    def validate(self) -> float:
+        total, n = 0.0, 0
+        for b in range(self.cfg.train.eval_batches):
+            x, y = self._local_batch(b, "val")
+            v = self.pipe.eval_loss(x, y)
+            if v is not None:
+                total, n = total + v, n + 1
+        t = torch.tensor([total, float(n)])
+        dist.all_reduce(t, group=self.ctx.active_group)
+        return float(t[0] / t[1])
+
+    def _record(self, step: int, res: StepResult, events: list[dict]) -> dict:
+        """Gather every rank's step figures onto all ranks and build the metrics record."""
+        S = self.pipe.num_stages
+        mig_bytes = sum(e.get("bytes", 0) for e in events if e["type"] == "migration")
+        mig_s = sum(e.get("seconds", 0.0) for e in events if e["type"] == "migration")
+        vec = torch.zeros(S + 6, dtype=torch.float64)
+        for s, c in res.stage_compute_s.items():
+            vec[s] = c
+        vec[S:] = torch.tensor([res.schedule_s, res.step_s, res.loss_sum, res.loss_count, mig_bytes, mig_s])
+        parts = [torch.zeros_like(vec) for _ in range(self.ctx.world)]
+        dist.all_gather(parts, vec, group=self.ctx.active_group)
+        allv = torch.stack(parts)  # [world, S + 6]
+        dp, pp = self.ctx.dp, self.ctx.pp
+        stage_compute = (allv[:, :S].sum(0) / dp).tolist()  # each stage once per replica
+        iteration = float(allv[:, S].max())
+        step_s = float(allv[:, S + 1].max())
+        # per pipeline worker, averaged over replicas
+        worker_compute = [float(allv[[r * pp + w for r in range(dp)], :S].sum() / dp) for w in range(pp)]
+        worker_idle = [max(0.0, iteration - c) for c in worker_compute]
+        loss = float(allv[:, S + 2].sum() / max(1.0, float(allv[:, S + 3].sum())))
+        for e in events:
+            if e["type"] == "migration":
+                e["bytes"] = int(allv[:, S + 4].sum())
+                e["seconds"] = float(allv[:, S + 5].max())
+        tokens = self.cfg.train.global_batch * self.cfg.model.seq_len
+        return {
+            "step": step,
+            "loss": loss,
+            "tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
+            "step_s": step_s,
+            "iteration_s": iteration,
+            "layout": list(self.pipe.layout.boundaries),
+            "layout_str": self.pipe.layout.format(self.kinds),
+            "stage_compute_s": stage_compute,
+            "stage_idle_s": [max(0.0, iteration - c) for c in stage_compute],
+            "worker_compute_s": worker_compute,
+            "worker_idle_s": worker_idle,
+            "bubble_ratio": sum(worker_idle) / (pp * iteration) if iteration > 0 else 0.0,
+            "imbalance": imbalance(stage_compute),
+            "grad_norm": res.grad_norm,
+            "lr": self.pipe.optimizer.param_groups[0]["lr"],
+            "events": events,
+        }
+
+
+def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
+    ap = argparse.ArgumentParser(prog="dynmo.train", add_help=True)
+    ap.add_argument("--config", default=None)
+    known, rest = ap.parse_known_args(argv)
+    return known.config, rest
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    config_path, overrides = parse_args(argv)
+    import os
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        cfg = load_config(config_path, overrides)
+        checks.validate(cfg, world)
+    except ConfigError as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"dynmo: error: {e}", file=sys.stderr)
+        return 2
+    cfg.parallel.pp = checks.resolve_pp(cfg, world)
+    ctx = rdist.init(cfg.parallel.dp, cfg.parallel.pp, cfg.parallel.backend)
+    try:
+        Trainer(cfg, ctx).run()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
