@@ -1,0 +1,493 @@
+"""Event-driven execution of a pipeline schedule from per-stage op times.
+
+Pure (numpy only). The model, in one paragraph: every pipeline rank executes its compute
+ops (`schedules.build_plan`) in order, one at a time. An op starts when its rank is free
+and its input has arrived: F(s, k) needs the output of F(s-1, k); B or I(s, k) needs the
+gradient from B or I(s+1, k) (on the last stage: its own F(s, k)); W(s, k) needs I(s, k).
+A tensor crossing from one rank to another takes the link's transfer time after the
+producing op ends; each directed rank pair carries one transfer at a time, in the sender's
+order (gloo uses one connection per pair). Stages on the same rank hand over for free.
+Sends never block the sender. With data parallelism (D identical replicas) each stage's
+gradient all-reduce starts after its last B or W; by default it runs on a separate
+communication channel per rank (overlapping later compute, one all-reduce at a time);
+`allreduce_mode="blocking"` instead runs it inline where torch places REDUCE_GRAD.
+
+Identical replicas run identical timelines, so one replica is simulated and the
+all-reduce cost is added: the cost does not depend on D beyond the all-reduce time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from dynmo.sim.schedules import Op, Plan, ScheduleError, build_plan, canonical_name, default_stages_per_rank
+
+ALLREDUCE_MODES = ("overlap", "blocking")
+
+
+class SimInputError(ValueError):
+    """Stage times that do not fit the schedule (wrong lengths, negative times...)."""
+
+
+# ---- inputs -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """Per-stage, per-microbatch op times in seconds, as arrays of shape (stages, microbatches).
+
+    `bwd` is the full backward (input + weight gradient). `wgrad` is the part of `bwd` that
+    is the weight gradient; zero-bubble schedules run it as a separate W op and the input
+    gradient I takes `bwd - wgrad`. `comm_fwd[s]` / `comm_bwd[s]` is the transfer time of
+    an activation s -> s+1 / a gradient s+1 -> s (length stages-1). `allreduce[s]` is the
+    time of stage s's gradient all-reduce across data-parallel replicas.
+    """
+
+    fwd: np.ndarray
+    bwd: np.ndarray
+    wgrad: np.ndarray
+    comm_fwd: np.ndarray
+    comm_bwd: np.ndarray
+    allreduce: np.ndarray
+
+    @property
+    def num_stages(self) -> int:
+        return self.fwd.shape[0]
+
+    @property
+    def microbatches(self) -> int:
+        return self.fwd.shape[1]
+
+    @classmethod
+    def build(
+        cls,
+        fwd,
+        bwd,
+        microbatches: int | None = None,
+        *,
+        wgrad=None,
+        comm=0.0,
+        allreduce=0.0,
+    ) -> "StageTimes":
+        """Normalize user input.
+
+        fwd, bwd, wgrad: one number per stage, or one list per stage with a time per
+        microbatch. wgrad defaults to half of bwd (the zero-bubble paper's rough split);
+        it only matters for the zero-bubble schedules. comm: a number for every link, a
+        list of stages-1 link times, or {"fwd": ..., "bwd": ...} with either of those.
+        allreduce: a number or one per stage.
+        """
+        f = _per_stage_mb(fwd, "fwd", None, microbatches)
+        s, m = f.shape
+        b = _per_stage_mb(bwd, "bwd", s, m)
+        w = 0.5 * b if wgrad is None else _per_stage_mb(wgrad, "wgrad", s, m)
+        if np.any(w > b + 1e-12 * np.maximum(1.0, np.abs(b))):
+            raise SimInputError("wgrad is the weight-gradient part of bwd, so it must be <= bwd")
+        w = np.minimum(w, b)
+        if isinstance(comm, dict):
+            unknown = set(comm) - {"fwd", "bwd"}
+            if unknown:
+                raise SimInputError(f"comm accepts keys 'fwd' and 'bwd', got {sorted(unknown)}")
+            cf = _per_link(comm.get("fwd", 0.0), "comm.fwd", s)
+            cb = _per_link(comm.get("bwd", 0.0), "comm.bwd", s)
+        else:
+            cf = cb = _per_link(comm, "comm", s)
+        ar = _per_stage(allreduce, "allreduce", s)
+        return cls(f, b, w, cf, cb, ar)
+
+    def balanced(self) -> "StageTimes":
+        """Every stage gets the mean stage's times (per microbatch); links stay as they are."""
+        s = self.num_stages
+
+        def mean(a: np.ndarray) -> np.ndarray:
+            return np.repeat(a.mean(axis=0, keepdims=True), s, axis=0)
+
+        return StageTimes(
+            mean(self.fwd), mean(self.bwd), mean(self.wgrad),
+            self.comm_fwd, self.comm_bwd, np.full(s, self.allreduce.mean()),
+        )
+
+
+def _check_times(a: np.ndarray, name: str) -> np.ndarray:
+    if not np.all(np.isfinite(a)) or np.any(a < 0):
+        raise SimInputError(f"{name} times must be finite and >= 0")
+    return a
+
+
+def _per_stage_mb(x, name: str, stages: int | None, microbatches: int | None) -> np.ndarray:
+    try:
+        a = np.asarray(x, dtype=float)
+    except (TypeError, ValueError):
+        raise SimInputError(
+            f"{name} must be a list with one number per stage, or one list of per-microbatch "
+            "times per stage (all the same length)"
+        ) from None
+    if a.ndim == 1:
+        if microbatches is None:
+            raise SimInputError(
+                f"{name} gives one time per stage, so the number of microbatches must be given"
+            )
+        a = np.repeat(a[:, None], int(microbatches), axis=1)
+    if a.ndim != 2 or a.shape[0] == 0 or a.shape[1] == 0:
+        raise SimInputError(f"{name} must be non-empty: one entry per stage")
+    if stages is not None and a.shape[0] != stages:
+        raise SimInputError(f"{name} has {a.shape[0]} stages but fwd has {stages}")
+    if microbatches is not None and a.shape[1] != int(microbatches):
+        raise SimInputError(
+            f"{name} has {a.shape[1]} per-microbatch times per stage but microbatches={microbatches}"
+        )
+    return _check_times(a, name)
+
+
+def _per_link(x, name: str, stages: int) -> np.ndarray:
+    a = np.asarray(x, dtype=float)
+    if a.ndim == 0:
+        a = np.full(max(stages - 1, 0), float(a))
+    if a.shape != (max(stages - 1, 0),):
+        raise SimInputError(f"{name} needs one time per link between stages: {stages - 1} values")
+    return _check_times(a, name)
+
+
+def _per_stage(x, name: str, stages: int) -> np.ndarray:
+    a = np.asarray(x, dtype=float)
+    if a.ndim == 0:
+        a = np.full(stages, float(a))
+    if a.shape != (stages,):
+        raise SimInputError(f"{name} needs one value per stage: {stages} values")
+    return _check_times(a, name)
+
+
+def ring_allreduce_time(grad_bytes, dp: int, bandwidth: float, latency: float = 0.0) -> np.ndarray:
+    """Ring all-reduce cost per stage: 2 (D-1)/D * bytes / bandwidth + latency; 0 when D = 1."""
+    b = np.asarray(grad_bytes, dtype=float)
+    if dp <= 1:
+        return np.zeros_like(b)
+    if bandwidth <= 0:
+        raise SimInputError("bandwidth must be > 0 bytes/s")
+    return 2.0 * (dp - 1) / dp * b / float(bandwidth) + float(latency)
+
+
+# ---- result -----------------------------------------------------------------------------
+
+
+@dataclass
+class SimResult:
+    schedule: str
+    num_stages: int
+    pipeline_ranks: int
+    stages_per_rank: int
+    dp: int
+    microbatches: int
+    iteration_time: float  # end of the last compute op or all-reduce
+    compute_time: float  # end of the last compute op
+    busy_s: list[float]  # per pipeline rank: time spent in compute ops
+    idle_s: list[float]  # per pipeline rank: iteration_time - busy
+    stage_busy_s: list[float]  # per stage: compute time of its ops
+    allreduce_s: list[float]  # per stage: gradient all-reduce time (0 with dp=1)
+    bubble_ratio: float
+    bubble_inherent: float | None = None
+    bubble_imbalance: float | None = None
+    balanced_iteration_time: float | None = None
+    trace: list[list[tuple[str, float, float]]] | None = field(default=None, repr=False)
+
+    @property
+    def workers(self) -> int:
+        return self.pipeline_ranks * self.dp
+
+    def as_dict(self) -> dict:
+        d = {
+            "schedule": self.schedule,
+            "num_stages": self.num_stages,
+            "pipeline_ranks": self.pipeline_ranks,
+            "stages_per_rank": self.stages_per_rank,
+            "dp": self.dp,
+            "workers": self.workers,
+            "microbatches": self.microbatches,
+            "iteration_time": self.iteration_time,
+            "compute_time": self.compute_time,
+            "bubble_ratio": self.bubble_ratio,
+            "bubble_inherent": self.bubble_inherent,
+            "bubble_imbalance": self.bubble_imbalance,
+            "balanced_iteration_time": self.balanced_iteration_time,
+            "busy_s": self.busy_s,
+            "idle_s": self.idle_s,
+            "stage_busy_s": self.stage_busy_s,
+            "allreduce_s": self.allreduce_s,
+        }
+        if self.trace is not None:
+            d["trace"] = [[{"op": o, "start": a, "end": b} for o, a, b in ops] for ops in self.trace]
+        return d
+
+
+# ---- the engine -------------------------------------------------------------------------
+
+
+def execute(
+    plan: Plan, times: StageTimes, allreduce_mode: str = "overlap", keep_trace: bool = False
+) -> tuple[float, float, list[list[tuple[str, float, float]]] | None]:
+    """Run `plan` with `times`; return (iteration_time, compute_time, trace or None).
+
+    Event-driven over a fixed per-rank order: a rank advances until its next op waits for
+    an input that has not been produced yet, and is woken when the producer finishes. Every
+    op is handled once, so the cost is linear in the number of ops.
+    """
+    if allreduce_mode not in ALLREDUCE_MODES:
+        raise SimInputError(f"allreduce_mode must be one of {ALLREDUCE_MODES}, got {allreduce_mode!r}")
+    S, m = times.num_stages, times.microbatches
+    if (S, m) != (plan.num_stages, plan.microbatches):
+        raise SimInputError(
+            f"times are for {S} stages x {m} microbatches but the schedule has "
+            f"{plan.num_stages} stages x {plan.microbatches} microbatches"
+        )
+    p = plan.num_ranks
+    owner = plan.stage_rank
+    fwd = times.fwd.tolist()
+    if plan.split_backward:
+        wg = times.wgrad.tolist()
+        bi = (times.bwd - times.wgrad).tolist()
+    else:
+        wg = None
+        bi = times.bwd.tolist()
+    cf, cb = times.comm_fwd.tolist(), times.comm_bwd.tolist()
+    ar = times.allreduce.tolist()
+
+    # Ready time of each op's input, indexed [kind][s*m + k]; None = not produced yet.
+    # kind 0: input of F(s,k); 1: input of B/I(s,k); 2: input of W(s,k).
+    n = S * m
+    ready: list[list[float | None]] = [[None] * n, [None] * n, [None] * n]
+    for k in range(m):
+        ready[0][k] = 0.0  # stage 0 reads the batch
+    waiting: list[list[int]] = [[-1] * n, [-1] * n, [-1] * n]
+    link_free: dict[tuple[int, int], float] = {}
+
+    rank_ops = [list(ops) for ops in plan.rank_ops]
+    if allreduce_mode == "blocking" and any(a > 0 for a in ar):
+        rank_ops = [_insert_reduce(ops, plan) for ops in rank_ops]
+    grad_done = [0.0] * S  # end of each stage's last B or W
+    ptr = [0] * p
+    free = [0.0] * p
+    trace: list[list[tuple[str, float, float]]] | None = [[] for _ in range(p)] if keep_trace else None
+    kind_slot = {"F": 0, "B": 1, "I": 1, "W": 2, "R": -1}
+    runnable = list(range(p))
+    compute_end = 0.0
+
+    def produce(slot: int, idx: int, t: float) -> None:
+        ready[slot][idx] = t
+        w = waiting[slot][idx]
+        if w >= 0:
+            waiting[slot][idx] = -1
+            runnable.append(w)
+
+    def transfer(src: int, dst: int, end: float, cost: float) -> float:
+        if src == dst:
+            return end
+        start = max(end, link_free.get((src, dst), 0.0))
+        link_free[(src, dst)] = start + cost
+        return start + cost
+
+    while runnable:
+        r = runnable.pop()
+        ops = rank_ops[r]
+        while ptr[r] < len(ops):
+            kind, s, k = ops[ptr[r]]
+            slot = kind_slot[kind]
+            if slot < 0:  # blocking all-reduce of stage s
+                start = free[r]
+                end = start + ar[s]
+            else:
+                idx = s * m + k
+                t_in = ready[slot][idx]
+                if t_in is None:
+                    waiting[slot][idx] = r
+                    break
+                start = t_in if t_in > free[r] else free[r]
+                if kind == "F":
+                    end = start + fwd[s][k]
+                    if s + 1 < S:
+                        produce(0, idx + m, transfer(r, owner[s + 1], end, cf[s]))
+                    else:
+                        produce(1, idx, end)  # loss: the last stage's backward may start
+                elif kind == "W":
+                    end = start + wg[s][k]
+                    grad_done[s] = max(grad_done[s], end)
+                else:  # B or I
+                    end = start + bi[s][k]
+                    if s > 0:
+                        produce(1, idx - m, transfer(r, owner[s - 1], end, cb[s - 1]))
+                    if kind == "I":
+                        produce(2, idx, end)
+                    else:
+                        grad_done[s] = max(grad_done[s], end)
+            free[r] = end
+            if slot >= 0 and end > compute_end:
+                compute_end = end
+            if trace is not None:
+                trace[r].append((f"{s}{kind}{'' if k < 0 else k}", start, end))
+            ptr[r] += 1
+
+    stuck = [r for r in range(p) if ptr[r] < len(rank_ops[r])]
+    if stuck:
+        detail = ", ".join(f"rank {r} at {rank_ops[r][ptr[r]]}" for r in stuck[:4])
+        raise ScheduleError(f"{plan.name}: the schedule deadlocks ({detail})")
+
+    iteration = max(free) if free else 0.0  # includes blocking all-reduces
+    if allreduce_mode == "overlap":
+        chan = [0.0] * p
+        for s in sorted(range(S), key=lambda s: grad_done[s]):
+            if ar[s] > 0:
+                r = owner[s]
+                chan[r] = max(chan[r], grad_done[s]) + ar[s]
+                iteration = max(iteration, chan[r])
+    return iteration, compute_end, trace
+
+
+def _insert_reduce(ops: list[Op], plan: Plan) -> list[Op]:
+    """Place stage s's all-reduce right after its last B/W, as torch places REDUCE_GRAD."""
+    grad = ("W",) if plan.split_backward else ("B",)
+    count: dict[int, int] = {}
+    out: list[Op] = []
+    for op in ops:
+        out.append(op)
+        if op.kind in grad:
+            count[op.stage] = count.get(op.stage, 0) + 1
+            if count[op.stage] == plan.microbatches:
+                out.append(Op("R", op.stage, -1))
+    return out
+
+
+# ---- public entry points ----------------------------------------------------------------
+
+
+def simulate(
+    fwd,
+    bwd,
+    schedule: str = "1F1B",
+    microbatches: int | None = None,
+    *,
+    wgrad=None,
+    comm=0.0,
+    stages_per_rank: int | None = None,
+    dp: int = 1,
+    allreduce=None,
+    grad_bytes=None,
+    bandwidth: float | None = None,
+    latency: float = 0.0,
+    allreduce_mode: str = "overlap",
+    split_bubble: bool = True,
+    keep_trace: bool = False,
+) -> SimResult:
+    """Simulate one training iteration of `schedule` and report time and bubbles.
+
+    fwd, bwd (and wgrad): per stage (a number, or a list per microbatch), seconds. The
+    pipeline has len(fwd) stages on len(fwd) / stages_per_rank ranks. Gradient all-reduce
+    across `dp` replicas: explicit per-stage seconds `allreduce`, or `grad_bytes` per stage
+    with `bandwidth` (bytes/s) and `latency` for a ring all-reduce.
+    """
+    name = canonical_name(schedule)
+    dp = int(dp)
+    if dp < 1:
+        raise SimInputError(f"dp (data-parallel replicas) must be >= 1, got {dp}")
+    if allreduce is not None and grad_bytes is not None:
+        raise SimInputError("give either allreduce (seconds) or grad_bytes + bandwidth, not both")
+    ar = 0.0
+    if allreduce is not None:
+        ar = allreduce if dp > 1 else 0.0
+    elif grad_bytes is not None:
+        if bandwidth is None:
+            raise SimInputError("grad_bytes needs bandwidth (bytes/s) for the ring all-reduce model")
+        ar = ring_allreduce_time(grad_bytes, dp, bandwidth, latency)
+    times = StageTimes.build(fwd, bwd, microbatches, wgrad=wgrad, comm=comm, allreduce=ar)
+
+    v = default_stages_per_rank(name) if stages_per_rank is None else int(stages_per_rank)
+    if times.num_stages % v != 0:
+        raise SimInputError(
+            f"{name} with {v} stages per rank needs a multiple of {v} stages; got {times.num_stages}"
+        )
+    plan = build_plan(name, times.num_stages // v, times.microbatches, stages_per_rank=v)
+    return simulate_plan(plan, times, dp=dp, allreduce_mode=allreduce_mode,
+                         split_bubble=split_bubble, keep_trace=keep_trace)
+
+
+def simulate_plan(
+    plan: Plan,
+    times: StageTimes,
+    *,
+    dp: int = 1,
+    allreduce_mode: str = "overlap",
+    split_bubble: bool = True,
+    keep_trace: bool = False,
+) -> SimResult:
+    """`simulate` for an already built plan and normalized times (for repeated runs)."""
+    T, compute_T, trace = execute(plan, times, allreduce_mode, keep_trace)
+    p = plan.num_ranks
+    per_stage = times.fwd.sum(axis=1) + times.bwd.sum(axis=1)  # I + W = bwd when split
+    busy = [0.0] * p
+    for s, r in enumerate(plan.stage_rank):
+        busy[r] += float(per_stage[s])
+    idle = [T - b for b in busy]
+    res = SimResult(
+        schedule=plan.name,
+        num_stages=plan.num_stages,
+        pipeline_ranks=p,
+        stages_per_rank=plan.num_stages // p,
+        dp=dp,
+        microbatches=plan.microbatches,
+        iteration_time=T,
+        compute_time=compute_T,
+        busy_s=busy,
+        idle_s=idle,
+        stage_busy_s=[float(x) for x in per_stage],
+        allreduce_s=[float(x) for x in times.allreduce],
+        bubble_ratio=bubble_ratio(busy, T),
+        trace=trace,
+    )
+    if split_bubble:
+        Tb, _, _ = execute(plan, times.balanced(), allreduce_mode)
+        res.balanced_iteration_time = Tb
+        res.bubble_inherent = bubble_ratio(busy, Tb)  # same total work, balanced split
+        res.bubble_imbalance = res.bubble_ratio - res.bubble_inherent
+    return res
+
+
+def bubble_ratio(busy: Sequence[float], iteration_time: float) -> float:
+    """Idle time / (workers x iteration time) (SPEC.md); replicas share the same ratio."""
+    if iteration_time <= 0 or not busy:
+        return 0.0
+    return float(sum(iteration_time - b for b in busy) / (len(busy) * iteration_time))
+
+
+def predict_iteration_time(
+    fwd: Sequence,
+    bwd: Sequence,
+    schedule: str,
+    microbatches: int,
+    *,
+    wgrad: Sequence | None = None,
+    comm=0.0,
+    stages_per_rank: int | None = None,
+) -> float:
+    """Predicted seconds per training step from measured per-stage times.
+
+    For validating the simulator against real runs: pass the per-stage forward and
+    backward time of one microbatch (lists indexed by stage; per-microbatch lists also
+    work), the torch schedule name and the microbatch count; compare with the measured
+    step time. Data parallel all-reduce is not included (dp=1).
+    """
+    return simulate(fwd, bwd, schedule, microbatches, wgrad=wgrad, comm=comm,
+                    stages_per_rank=stages_per_rank, split_bubble=False).iteration_time
+
+
+def lower_bound(times: StageTimes, plan: Plan) -> float:
+    """A bound no schedule can beat: the busiest rank, and each microbatch's dependency chain."""
+    S = times.num_stages
+    rank_busy = np.zeros(plan.num_ranks)
+    np.add.at(rank_busy, np.asarray(plan.stage_rank), times.fwd.sum(axis=1) + times.bwd.sum(axis=1))
+    cross = np.array([plan.stage_rank[s] != plan.stage_rank[s + 1] for s in range(S - 1)], dtype=float)
+    comm = float((times.comm_fwd * cross).sum() + (times.comm_bwd * cross).sum())
+    # F on every stage, then the input-gradient pass back (W is off the chain when split).
+    back = times.bwd - times.wgrad if plan.split_backward else times.bwd
+    chain = times.fwd.sum(axis=0) + back.sum(axis=0) + comm
+    return float(max(rank_busy.max(), chain.max()))
