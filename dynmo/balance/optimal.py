@@ -1,0 +1,400 @@
+"""`optimal`: the exact minimum bottleneck over contiguous layouts, then the fewest moves.
+
+Definitions. Prefix sums P (cost) and M (memory) over the layers. For a candidate bottleneck
+B, stage j may hold layers [a, b) iff b > a, (P[b]-P[a]) / s_j + t_j <= B and
+M[b]-M[a] <= cap_j. Both tests are monotone: a sub-range of a range that fits also fits.
+
+Feasibility for a given B (`_forward`). R_j = boundary positions b such that stages 0..j-1
+can hold exactly layers [0, b). R_0 = {0} and
+
+    R_j = { b : exists a in R_{j-1} with a < b <= far_j(a) }
+
+where far_j(a) is the last b with [a, b) fitting stage j (far_j(a) = a when layer a alone
+does not fit: a is *blocked* for stage j). far_j is non-decreasing in a, so the image of a
+run x..y of non-blocked positions is exactly the interval [x+1, far_j(y)], and blocked
+positions only split runs. We keep every R_j as a sorted list of disjoint intervals, which
+is exact; B is feasible iff n is in R_p. Without blocked layers every R_j is one interval
+and a probe costs O(p log n). Why not "each stage takes as many layers as it can": with
+heterogeneous stages that greedy is wrong (costs [1, 1, 100, 1] on capacities 200, 1, 200:
+taking 2 layers on stage 0 leaves 100 for stage 1; taking 1 works). The interval sets keep
+every reachable boundary, not just the furthest.
+
+Search (exact). Every probe at B either succeeds, and the layout it returns has an achieved
+bottleneck L <= B that becomes the new upper bound, or fails, and then it reports the
+smallest load value B' > B at which any comparison it made would flip (a run end's far
+growing by one layer, a blocked layer becoming unblocked). No B in [B, B') is feasible, so
+B' is a valid lower bound. Lower and upper bounds are both achievable load values, so the
+bisection stops on the optimum itself instead of on a float interval.
+
+Floating point: loads within EPS x (largest possible load) of each other are equal (see
+problem.EPS); every fit test uses the same expression `P[b] <= P[a] + cap` so forward and
+backward passes and the move DP agree bit for bit.
+
+Fewest moves (`_min_moves`). Among layouts with bottleneck <= B*, maximize the layers kept on
+their current stage. Boundary k may only sit in F_k = R_k (forward reachable) intersected
+with Q_k (the rest [b, n) fits stages k..p-1, computed by the mirror pass). A DP over
+(k, b in F_k) takes the best predecessor a in F_{k-1} with [a, b) fitting stage k-1; the
+candidates for b are a window [near(b), b-1]. Cost O(sum_k |F_k| * window_k), vectorized per
+stage: at the optimum the F_k are narrow (most stages are tight), so this is far below the
+naive O(n^2 p).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from typing import Sequence
+
+import numpy as np
+
+from .problem import EPS, BalanceError, Problem
+
+Intervals = list[tuple[int, int]]
+
+
+class Solver:
+    def __init__(self, problem: Problem):
+        self.problem = problem
+        c, m = problem.c, problem.m
+        self.n, self.p = len(c), problem.stages
+        self.P = np.concatenate(([0.0], np.cumsum(c)))
+        self.M = np.concatenate(([0.0], np.cumsum(m)))
+        self.Pl, self.Ml = self.P.tolist(), self.M.tolist()
+        self.s = problem.s.tolist()
+        self.t = problem.t.tolist()
+        total, smin = self.Pl[-1], float(problem.s.min())
+        # tolerance in load units (see module docstring)
+        self.btol = EPS * max(total / smin + float(problem.t.max()), 1e-300)
+        self.mtol = EPS * max(self.Ml[-1], 1e-300)
+        self.mcap = [float(x) + self.mtol for x in problem.cap]
+        self.dmax_c = float(np.max(np.diff(self.P)))
+        self.dmax_m = float(np.max(np.diff(self.M)))
+        # margin for the "nothing is blocked" shortcut, so it never disagrees with the exact test
+        self.rnd_c = 8 * float(np.spacing(max(total, 1.0)))
+        self.rnd_m = 8 * float(np.spacing(max(self.Ml[-1], 1.0)))
+
+    # ---- per-stage fit tests ----------------------------------------------------------
+    def ccap(self, B: float, j: int) -> float:
+        """Largest cost sum stage j may hold at bottleneck B (with the tolerance)."""
+        return (B + self.btol - self.t[j]) * self.s[j]
+
+    def load(self, a: int, b: int, j: int) -> float:
+        return (self.Pl[b] - self.Pl[a]) / self.s[j] + self.t[j]
+
+    def _blocked(self, l: int, h: int, ccap: float, mcap: float, j: int) -> tuple[np.ndarray, float]:
+        """Positions a in [l, h] whose single layer does not fit the stage; min unblock load."""
+        P, M = self.P, self.M
+        cb = P[l + 1 : h + 2] > P[l : h + 1] + ccap
+        mb = M[l + 1 : h + 2] > M[l : h + 1] + mcap
+        blk = cb | mb
+        idx = np.flatnonzero(blk)
+        ev = math.inf
+        only_cost = cb & ~mb
+        if only_cost.any():
+            seg = (P[l + 1 : h + 2] - P[l : h + 1])[only_cost]
+            ev = float(seg.min()) / self.s[j] + self.t[j]
+        return idx + l, ev
+
+    def _runs(self, l: int, h: int, ccap: float, mcap: float, j: int, fast: bool) -> tuple[Intervals, float]:
+        if fast:
+            return [(l, h)], math.inf
+        idx, ev = self._blocked(l, h, ccap, mcap, j)
+        if len(idx) == 0:
+            return [(l, h)], math.inf
+        runs: Intervals = []
+        x = l
+        for a in idx.tolist():
+            if a > x:
+                runs.append((x, a - 1))
+            x = a + 1
+        if x <= h:
+            runs.append((x, h))
+        return runs, ev
+
+    def _fast(self, ccap: float, mcap: float) -> bool:
+        return self.dmax_c + self.rnd_c <= ccap and self.dmax_m + self.rnd_m <= mcap
+
+    # ---- forward reachability ---------------------------------------------------------
+    def forward(self, B: float) -> tuple[bool, list[Intervals], float]:
+        """(feasible, R_0..R_j as interval lists, next event load if infeasible)."""
+        n, p, Pl, Ml = self.n, self.p, self.Pl, self.Ml
+        R: Intervals = [(0, 0)]
+        hist = [R]
+        ev = math.inf
+        br = bisect.bisect_right
+        for j in range(p):
+            lim = n - (p - 1 - j)
+            ccap, mcap = self.ccap(B, j), self.mcap[j]
+            fast = self._fast(ccap, mcap)
+            new: Intervals = []
+            for l, h in R:
+                runs, e = self._runs(l, h, ccap, mcap, j, fast)
+                if e < ev:
+                    ev = e
+                for x, y in runs:
+                    cf = br(Pl, Pl[y] + ccap, y) - 1
+                    mf = n if mcap == math.inf else br(Ml, Ml[y] + mcap, y) - 1
+                    f = cf if cf < mf else mf
+                    if cf < mf and cf < lim:
+                        e = (Pl[cf + 1] - Pl[y]) / self.s[j] + self.t[j]
+                        if e < ev:
+                            ev = e
+                    hb = f if f < lim else lim
+                    lb = x + 1
+                    if lb > hb:
+                        continue
+                    if new and lb <= new[-1][1] + 1:
+                        if hb > new[-1][1]:
+                            new[-1] = (new[-1][0], hb)
+                    else:
+                        new.append((lb, hb))
+            if not new:
+                return False, hist, ev
+            R = new
+            hist.append(R)
+        return R[-1][1] == n, hist, ev
+
+    def backtrack(self, hist: list[Intervals]) -> list[int]:
+        """A layout through the reachable sets: each boundary as late as possible."""
+        b = self.n
+        out = [b]
+        for j in range(self.p - 1, 0, -1):
+            R = hist[j]
+            starts = [iv[0] for iv in R]
+            i = bisect.bisect_right(starts, b - 1) - 1
+            a = min(R[i][1], b - 1)
+            out.append(a)
+            b = a
+        out.append(0)
+        out.reverse()
+        return out
+
+    def bottleneck_of(self, bnd: Sequence[int]) -> float:
+        b = np.asarray(bnd)
+        loads = (self.P[b[1:]] - self.P[b[:-1]]) / self.problem.s + self.problem.t
+        return float(loads.max())
+
+    # ---- backward reachability (mirror of forward, in the same coordinates) -----------
+    def backward(self, B: float) -> list[Intervals]:
+        """Q_0..Q_p: Q_j = positions a such that layers [a, n) fit stages j..p-1."""
+        n, p, Pl, Ml = self.n, self.p, self.Pl, self.Ml
+        Q: Intervals = [(n, n)]
+        out: list[Intervals] = [Q]
+        for j in range(p - 1, -1, -1):
+            ccap, mcap = self.ccap(B, j), self.mcap[j]
+            fast = self._fast(ccap, mcap)
+            new: Intervals = []
+            for l, h in Q:
+                # b is usable iff layer b-1 alone fits: runs over b-1 in [l-1, h-1]
+                runs, _ = self._runs(l - 1, h - 1, ccap, mcap, j, fast)
+                for x1, y1 in runs:
+                    x = x1 + 1  # smallest b of the run
+                    na = self._near(x, ccap, mcap)
+                    la = max(na, j)
+                    ha = y1  # = y - 1
+                    if la > ha:
+                        continue
+                    if new and la <= new[-1][1] + 1:
+                        if ha > new[-1][1]:
+                            new[-1] = (new[-1][0], ha)
+                    else:
+                        new.append((la, ha))
+            Q = new
+            out.append(Q)
+            if not Q:
+                break
+        out.reverse()  # out[k] = Q_k for k = p - len(out) + 1 .. p
+        return out
+
+    def _near(self, b: int, ccap: float, mcap: float) -> int:
+        """Smallest a with [a, b) fitting (cost and memory), using the exact fit expression."""
+        Pl, Ml = self.Pl, self.Ml
+        a = bisect.bisect_left(Pl, Pl[b] - ccap, 0, b)
+        while a > 0 and Pl[b] <= Pl[a - 1] + ccap:
+            a -= 1
+        while a < b and not (Pl[b] <= Pl[a] + ccap):
+            a += 1
+        if mcap != math.inf:
+            am = bisect.bisect_left(Ml, Ml[b] - mcap, 0, b)
+            while am > 0 and Ml[b] <= Ml[am - 1] + mcap:
+                am -= 1
+            while am < b and not (Ml[b] <= Ml[am] + mcap):
+                am += 1
+            a = max(a, am)
+        return a
+
+    # ---- search --------------------------------------------------------------------------
+    def min_bottleneck(self) -> tuple[float, list[int], int]:
+        """(B*, a layout achieving it, number of probes)."""
+        ok, hist, _ = self.forward(math.inf)
+        if not ok:
+            raise BalanceError(explain_memory(self.problem, hist))
+        best = self.backtrack(hist)
+        hi = self.bottleneck_of(best)
+        pr = self.problem
+        lo = max(self.Pl[-1] / float(pr.s.sum()), float(pr.c.max()) / float(pr.s.max()), float(pr.t.max()))
+        probes = 1
+        while hi - lo > self.btol:
+            mid = lo + (hi - lo) / 2
+            ok, hist, ev = self.forward(mid)
+            probes += 1
+            if ok:
+                bnd = self.backtrack(hist)
+                L = self.bottleneck_of(bnd)
+                if L < hi:
+                    hi, best = L, bnd
+                else:  # hi is already within tolerance of mid: nothing better exists
+                    break
+            else:
+                lo = max(ev, mid)
+                if lo <= hi:  # a lower bound that is an achievable value: try it directly
+                    ok, hist, ev2 = self.forward(lo)
+                    probes += 1
+                    if ok:
+                        bnd = self.backtrack(hist)
+                        L = self.bottleneck_of(bnd)
+                        if L < hi:
+                            hi, best = L, bnd
+                        break
+                    lo = max(ev2, lo)
+        return hi, best, probes
+
+    # ---- fewest moves --------------------------------------------------------------------
+    def min_moves(self, B: float, cur: Sequence[tuple[int, int]]) -> list[int] | None:
+        """Among layouts with bottleneck <= B, one keeping the most layers on their stage.
+
+        cur[j] = (u, v): the layers [u, v) that the worker of stage j holds today.
+        """
+        n, p = self.n, self.p
+        ok, R, _ = self.forward(B)
+        if not ok:
+            return None
+        Q = self.backward(B)
+        if len(Q) != p + 1:
+            return None
+        P, M = self.P, self.M
+        # K over the cover range of F_0 = {0}
+        A0, A1 = 0, 0
+        K = np.zeros(1)
+        parents: list[tuple[int, np.ndarray]] = []
+        for k in range(1, p + 1):
+            j = k - 1
+            F = _intersect(R[k], Q[k])
+            if not F:
+                return None
+            bs = np.concatenate([np.arange(l, h + 1) for l, h in F])
+            ccap, mcap = self.ccap(B, j), self.mcap[j]
+            Pa = P[A0 : A1 + 1] + ccap
+            near = np.searchsorted(Pa, P[bs], side="left") + A0
+            if mcap != math.inf:
+                Ma = M[A0 : A1 + 1] + mcap
+                near = np.maximum(near, np.searchsorted(Ma, M[bs], side="left") + A0)
+            lo_a = near
+            hi_a = np.minimum(bs - 1, A1)
+            u, v = cur[j]
+            newK = np.full(len(bs), -np.inf)
+            par = np.full(len(bs), -1, dtype=np.int64)
+            width = np.maximum(hi_a - lo_a + 1, 0)
+            w = int(width.max()) if len(width) else 0
+            if w > 0:
+                step = max(1, 4_000_000 // w)
+                for r0 in range(0, len(bs), step):
+                    r1 = min(len(bs), r0 + step)
+                    a = hi_a[r0:r1, None] - np.arange(w)[None, :]
+                    okm = a >= lo_a[r0:r1, None]
+                    ai = np.clip(a - A0, 0, A1 - A0)
+                    b2 = bs[r0:r1, None]
+                    ov = np.maximum(0, np.minimum(b2, v) - np.maximum(a, u))
+                    val = np.where(okm, K[ai], -np.inf) + ov
+                    bi = np.argmax(val, axis=1)
+                    rows = np.arange(r1 - r0)
+                    newK[r0:r1] = val[rows, bi]
+                    par[r0:r1] = a[rows, bi]
+            # dense arrays over the cover range of F_k for the next stage
+            C0, C1 = int(bs[0]), int(bs[-1])
+            Kd = np.full(C1 - C0 + 1, -np.inf)
+            Kd[bs - C0] = newK
+            pd = np.full(C1 - C0 + 1, -1, dtype=np.int64)
+            pd[bs - C0] = par
+            parents.append((C0, pd))
+            K, A0, A1 = Kd, C0, C1
+        if A0 != n or not np.isfinite(K[0]):
+            return None
+        out = [n]
+        b = n
+        for k in range(p, 0, -1):
+            C0, pd = parents[k - 1]
+            b = int(pd[b - C0])
+            out.append(b)
+        out.reverse()
+        if out[0] != 0:
+            return None
+        return out
+
+
+def _intersect(x: Intervals, y: Intervals) -> Intervals:
+    out: Intervals = []
+    i = k = 0
+    while i < len(x) and k < len(y):
+        lo = max(x[i][0], y[k][0])
+        hi = min(x[i][1], y[k][1])
+        if lo <= hi:
+            out.append((lo, hi))
+        if x[i][1] < y[k][1]:
+            i += 1
+        else:
+            k += 1
+    return out
+
+
+def explain_memory(problem: Problem, hist: list[Intervals]) -> str:
+    """Name the tightest memory constraint of an infeasible problem."""
+    m, cap, n, p = problem.m, problem.cap, problem.num_layers, problem.stages
+    big = int(np.argmax(m))
+    if m[big] > cap.max():
+        return (f"infeasible: layer {big} needs {m[big]:g} of memory but the largest stage "
+                f"capacity is {cap.max():g}; raise the capacity or split the layer")
+    if m.sum() > cap.sum():
+        return (f"infeasible: the layers need {m.sum():g} of memory in total but the {p} stages "
+                f"hold {cap.sum():g}; add stages or capacity")
+    j = len(hist) - 1  # stages 0..j-1 could be placed
+    if j < p:
+        R = hist[j]
+        return (f"infeasible: no contiguous layout fits the memory caps; stage {j} (capacity "
+                f"{cap[j]:g}) cannot start at any reachable boundary {R[:4]} because the next "
+                f"layer alone does not fit it; raise capacity[{j}] or reorder workers")
+    hi = hist[-1][-1][1]
+    rest = float(m[hi:].sum())
+    return (f"infeasible: no contiguous layout fits the memory caps; stages 0..{p - 2} can hold "
+            f"at most layers 0..{hi - 1}, leaving layers {hi}..{n - 1} ({rest:g} of memory) for "
+            f"stage {p - 1} with capacity {cap[p - 1]:g}; raise capacity[{p - 1}] or add a stage")
+
+
+def optimal(problem: Problem) -> list[int]:
+    """Boundaries of an exact min-bottleneck layout with the fewest moves from current."""
+    sol = Solver(problem)
+    B, best, _ = sol.min_bottleneck()
+    cur = problem.current_layout.boundaries
+    if max_load_ok(sol, cur, B):
+        return list(cur)
+    ranges = [(cur[j], cur[j + 1]) for j in range(problem.stages)]
+    out = sol.min_moves(B, ranges)
+    return best if out is None else out
+
+
+def optimal_with(problem: Problem, ranges: Sequence[tuple[int, int]]) -> tuple[list[int], float]:
+    """Like `optimal` with explicit current ranges per stage (re-packing); also returns B*."""
+    sol = Solver(problem)
+    B, best, _ = sol.min_bottleneck()
+    out = sol.min_moves(B, ranges)
+    return (best if out is None else out), B
+
+
+def max_load_ok(sol: Solver, bnd: Sequence[int], B: float) -> bool:
+    """Does layout `bnd` fit every stage at bottleneck B (same tests as the search)?"""
+    Pl, Ml = sol.Pl, sol.Ml
+    for j in range(sol.p):
+        a, b = bnd[j], bnd[j + 1]
+        if not (Pl[b] <= Pl[a] + sol.ccap(B, j)) or not (Ml[b] <= Ml[a] + sol.mcap[j]):
+            return False
+    return True

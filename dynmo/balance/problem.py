@@ -1,0 +1,178 @@
+"""A balancing problem: per-layer costs and memory, per-stage capacity, speed and transfer cost.
+
+Load model (used by every balancer, the result and the docs):
+
+    stage load L_j = (sum of c_i over the layers of stage j) / s_j + t_j
+
+where s_j is the speed of the worker running stage j (1 when workers are equal) and t_j is
+the cost of sending stage j's output activations to stage j+1 (0 for the last stage).
+t_j is charged to the *sending* stage because in 1F1B-style schedules the send sits on the
+sender's critical path. It does not depend on where the boundary is (transformer blocks all
+emit activations of the same shape), so it shifts stage j's load by a constant.
+
+Memory: stage j may hold layers whose memory m_i sums to at most capacity M_j.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from dynmo.layout import Layout, LayoutError
+
+# Two loads (or memory sums) that differ by less than EPS x (total cost or total memory) are
+# treated as equal. Prefix sums in float64 carry rounding error of about n ulps of the total;
+# 1e-9 is far above that and far below anything that matters for a schedule.
+EPS = 1e-9
+
+
+class BalanceError(ValueError):
+    """Bad input or an infeasible balancing problem. The message says what to change."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    costs: Sequence[float]
+    stages: int
+    memory: Sequence[float] | None = None
+    capacity: float | Sequence[float] | None = None
+    speeds: Sequence[float] | None = None
+    transfer: float | Sequence[float] | None = None
+    current: Sequence[int] | None = None
+    # normalized numpy views, filled by __post_init__
+    c: np.ndarray = field(init=False, repr=False, compare=False)
+    m: np.ndarray = field(init=False, repr=False, compare=False)
+    cap: np.ndarray = field(init=False, repr=False, compare=False)
+    s: np.ndarray = field(init=False, repr=False, compare=False)
+    t: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        p = self.stages
+        if isinstance(p, bool) or not isinstance(p, (int, np.integer)):
+            raise BalanceError(f"stages must be an integer, got {p!r}")
+        p = int(p)
+        object.__setattr__(self, "stages", p)
+        if p < 1:
+            raise BalanceError(f"need at least 1 stage, got stages={p}")
+        c = _vector("costs", self.costs, None, allow_zero=True)
+        n = len(c)
+        if n == 0:
+            raise BalanceError("costs is empty: give one cost per layer")
+        if n < p:
+            raise BalanceError(
+                f"cannot split {n} layers into {p} non-empty stages; use at most {n} stages"
+            )
+        m = np.zeros(n) if self.memory is None else _vector("memory", self.memory, n, allow_zero=True)
+        if self.capacity is None:
+            cap = np.full(p, math.inf)
+        else:
+            cap = _scalar_or_vector("capacity", self.capacity, p, allow_inf=True)
+            if self.memory is None:
+                raise BalanceError("capacity is given but memory is not: give per-layer memory too")
+        s = np.ones(p) if self.speeds is None else _vector("speeds", self.speeds, p, allow_zero=False)
+        t = np.zeros(p)
+        if self.transfer is not None:
+            tt = _scalar_or_vector("transfer", self.transfer, p - 1, allow_zero=True) if p > 1 else np.zeros(0)
+            t[: p - 1] = tt
+        if self.current is not None:
+            try:
+                cur = Layout(tuple(int(x) for x in self.current))
+            except (LayoutError, TypeError, ValueError) as e:
+                raise BalanceError(f"current layout {list(self.current)!r} is invalid: {e}") from None
+            if cur.num_layers != n or cur.num_stages != p:
+                raise BalanceError(
+                    f"current layout {list(cur.boundaries)} has {cur.num_stages} stages over "
+                    f"{cur.num_layers} layers; the problem has {p} stages over {n} layers"
+                )
+            object.__setattr__(self, "current", list(cur.boundaries))
+        for name, v in (("c", c), ("m", m), ("cap", cap), ("s", s), ("t", t)):
+            v.setflags(write=False)
+            object.__setattr__(self, name, v)
+
+    # ---- derived -------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.c)
+
+    @property
+    def current_layout(self) -> Layout:
+        """The current layout, or the uniform one (Megatron's default) when none is given."""
+        if self.current is None:
+            return Layout.uniform(self.num_layers, self.stages)
+        return Layout(tuple(self.current))
+
+    def loads_of_assignment(self, owner: Sequence[int]) -> list[float]:
+        """Stage loads for any layer -> stage assignment (contiguous or not)."""
+        sums = np.bincount(np.asarray(owner), weights=self.c, minlength=self.stages)
+        return (sums / self.s + self.t).tolist()
+
+    def memory_of_assignment(self, owner: Sequence[int]) -> list[float]:
+        return np.bincount(np.asarray(owner), weights=self.m, minlength=self.stages).tolist()
+
+    def with_stages(self, workers: Sequence[int], current_owner: Sequence[int] | None = None) -> "Problem":
+        """The same layers on a subset of the workers (kept in pipeline order).
+
+        Stage j of the sub-problem runs on worker workers[j]; it inherits that worker's
+        capacity, speed and transfer cost, except that the last stage sends nothing.
+        """
+        w = list(workers)
+        cap = None if self.capacity is None else [float(self.cap[i]) for i in w]
+        t = [float(self.t[i]) for i in w[:-1]]
+        return Problem(
+            costs=self.c.tolist(),
+            stages=len(w),
+            memory=None if self.memory is None else self.m.tolist(),
+            capacity=cap,
+            speeds=[float(self.s[i]) for i in w],
+            transfer=t if t else None,
+        )
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Problem":
+        if not isinstance(d, dict):
+            raise BalanceError("problem JSON must be an object with keys costs, stages, ...")
+        known = {"costs", "stages", "memory", "capacity", "speeds", "transfer", "current"}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise BalanceError(f"unknown problem keys {unknown}; known keys are {sorted(known)}")
+        for key in ("costs", "stages"):
+            if key not in d:
+                raise BalanceError(f"problem JSON is missing {key!r}")
+        return cls(**{k: d[k] for k in known if k in d and d[k] is not None})
+
+
+def _vector(name: str, values: Any, n: int | None, *, allow_zero: bool) -> np.ndarray:
+    try:
+        if isinstance(values, (str, bytes, dict)):
+            raise TypeError
+        vals = list(values)
+        if any(isinstance(x, (bool, str, bytes)) for x in vals):
+            raise TypeError
+        a = np.asarray(vals, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise BalanceError(f"{name} must be a list of numbers, got {values!r:.80}") from None
+    if a.ndim != 1:
+        raise BalanceError(f"{name} must be a flat list of numbers")
+    if n is not None and len(a) != n:
+        raise BalanceError(f"{name} has {len(a)} entries, expected {n}")
+    bad = ~np.isfinite(a) | (a < 0) | ((a == 0) & (not allow_zero))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        need = "finite and >= 0" if allow_zero else "finite and > 0"
+        raise BalanceError(f"{name}[{i}] = {float(a[i])!r}; every entry must be {need}")
+    return a
+
+
+def _scalar_or_vector(name: str, value: Any, n: int, *, allow_zero: bool = False,
+                      allow_inf: bool = False) -> np.ndarray:
+    if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
+        v = float(value)
+        ok = (v >= 0 if allow_zero else v > 0) and (math.isfinite(v) or (allow_inf and v == math.inf))
+        if not ok:
+            raise BalanceError(f"{name} = {value!r}; it must be a finite number {'>= 0' if allow_zero else '> 0'}")
+        return np.full(n, v)
+    a = _vector(name, value, n, allow_zero=allow_zero)
+    return a
