@@ -427,7 +427,7 @@ def simulate_plan(
     busy = [0.0] * p
     for s, r in enumerate(plan.stage_rank):
         busy[r] += float(per_stage[s])
-    idle = [T - b for b in busy]
+    idle = [max(0.0, T - b) for b in busy]  # max: float rounding only
     res = SimResult(
         schedule=plan.name,
         num_stages=plan.num_stages,
@@ -456,7 +456,8 @@ def bubble_ratio(busy: Sequence[float], iteration_time: float) -> float:
     """Idle time / (workers x iteration time) (SPEC.md); replicas share the same ratio."""
     if iteration_time <= 0 or not busy:
         return 0.0
-    return float(sum(iteration_time - b for b in busy) / (len(busy) * iteration_time))
+    idle = sum(max(0.0, iteration_time - b) for b in busy)
+    return float(idle / (len(busy) * iteration_time))
 
 
 def predict_iteration_time(
