@@ -166,3 +166,14 @@ def test_bubble_ratio_is_spec_definition():
     workers = len(r.busy_s)
     assert r.bubble_ratio == pytest.approx(sum(r.idle_s) / (workers * r.iteration_time))
     assert math.isclose(sum(r.stage_busy_s), sum(r.busy_s))
+
+
+def test_stage_times_from_layer_times_and_layout():
+    from dynmo.layout import Layout
+    from dynmo.sim import stage_times
+
+    layout = Layout((0, 2, 5, 6))
+    assert stage_times([1, 2, 3, 4, 5, 6], layout).tolist() == layout.stage_loads([1, 2, 3, 4, 5, 6])
+    per_mb = stage_times([[1, 2]] * 6, layout)
+    assert per_mb.tolist() == [[2, 4], [3, 6], [1, 2]]
+    assert stage_times([2] * 6, layout, speeds=[1, 2, 1]).tolist() == [4, 3, 2]

@@ -18,9 +18,10 @@ from dynmo.sim.engine import (
     simulate_plan,
 )
 from dynmo.sim.schedules import SCHEDULES, Op, Plan, ScheduleError, build_plan
+from dynmo.sim.stages import stage_times
 
 __all__ = [
     "SCHEDULES", "Op", "Plan", "ScheduleError", "SimInputError", "SimResult", "StageTimes",
     "build_plan", "bubble_ratio", "lower_bound", "predict_iteration_time",
-    "ring_allreduce_time", "simulate", "simulate_plan",
+    "ring_allreduce_time", "simulate", "simulate_plan", "stage_times",
 ]
