@@ -72,6 +72,15 @@ class Solver:
         # margin for the "nothing is blocked" shortcut, so it never disagrees with the exact test
         self.rnd_c = 8 * float(np.spacing(max(total, 1.0)))
         self.rnd_m = 8 * float(np.spacing(max(self.Ml[-1], 1.0)))
+        self.smin = smin
+        # range-max tables over single-layer cost / memory: an O(1) "anything blocked in
+        # [l, h]?" test before the O(h - l) scan
+        self.spc = _sparse_table(np.diff(self.P))
+        self.spm = _sparse_table(np.diff(self.M))
+        # suffix memory capacity of stages j..p-1 (for the cut-below in forward)
+        suf = np.concatenate((np.cumsum(problem.cap[::-1])[::-1], [0.0]))
+        self.suf_m = (suf + self.mtol).tolist()
+        self.mtot_finite = np.isfinite(suf).tolist()
 
     # ---- per-stage fit tests ----------------------------------------------------------
     def ccap(self, B: float, j: int) -> float:
@@ -96,7 +105,7 @@ class Solver:
         return idx + l, ev
 
     def _runs(self, l: int, h: int, ccap: float, mcap: float, j: int, fast: bool) -> tuple[Intervals, float]:
-        if fast:
+        if fast or self._clear(l, h, ccap, mcap):
             return [(l, h)], math.inf
         idx, ev = self._blocked(l, h, ccap, mcap, j)
         if len(idx) == 0:
@@ -111,48 +120,115 @@ class Solver:
             runs.append((x, h))
         return runs, ev
 
+    def _clear(self, l: int, h: int, ccap: float, mcap: float) -> bool:
+        """True if no layer in [l, h] is blocked (conservative: False may still be clear)."""
+        k = (h - l + 1).bit_length() - 1
+        tc, tm = self.spc[k], self.spm[k]
+        r = h - (1 << k) + 1
+        cm = tc[l] if tc[l] > tc[r] else tc[r]
+        mm = tm[l] if tm[l] > tm[r] else tm[r]
+        return cm + self.rnd_c <= ccap and mm + self.rnd_m <= mcap
+
     def _fast(self, ccap: float, mcap: float) -> bool:
         return self.dmax_c + self.rnd_c <= ccap and self.dmax_m + self.rnd_m <= mcap
 
     # ---- forward reachability ---------------------------------------------------------
     def forward(self, B: float) -> tuple[bool, list[Intervals], float]:
-        """(feasible, R_0..R_j as interval lists, next event load if infeasible)."""
+        """(feasible, R_0..R_j as interval lists, next event load if infeasible).
+
+        Two facts keep this fast. (1) Inside an interval [l, h] of R_{j-1}, a run x..y of
+        non-blocked positions that ends just before a blocked one maps to [x+1, y+1] (a
+        range through the blocked layer cannot fit), so only the run ending at h needs a
+        far() search. (2) R_j is cut below at the first b whose remaining cost [b, n) or
+        memory could still fit the total capacity of stages j..p-1 (a necessary condition,
+        so exactness is kept); near the optimum that makes the sets short.
+        """
         n, p, Pl, Ml = self.n, self.p, self.Pl, self.Ml
+        s, t = self.s, self.t
+        ccaps = [self.ccap(B, j) for j in range(p)]
+        # suffix capacity sums: stages j..p-1 together
+        suf_c = [0.0] * (p + 1)
+        suf_s = [0.0] * (p + 1)
+        suf_ts = [0.0] * (p + 1)
+        for j in range(p - 1, -1, -1):
+            suf_c[j] = suf_c[j + 1] + ccaps[j]
+            suf_s[j] = suf_s[j + 1] + s[j]
+            suf_ts[j] = suf_ts[j + 1] + t[j] * s[j]
+        margin = self.btol * self.smin
         R: Intervals = [(0, 0)]
         hist = [R]
         ev = math.inf
-        br = bisect.bisect_right
+        cut_ev = math.inf  # flips from the cut-below: lower bounds, but not achievable loads
+        self.last_event_achievable = True
         for j in range(p):
             lim = n - (p - 1 - j)
-            ccap, mcap = self.ccap(B, j), self.mcap[j]
+            ccap, mcap = ccaps[j], self.mcap[j]
             fast = self._fast(ccap, mcap)
             new: Intervals = []
             for l, h in R:
-                runs, e = self._runs(l, h, ccap, mcap, j, fast)
+                pieces, e = self._image(l, h, ccap, mcap, j, fast, lim)
                 if e < ev:
                     ev = e
-                for x, y in runs:
-                    cf = br(Pl, Pl[y] + ccap, y) - 1
-                    mf = n if mcap == math.inf else br(Ml, Ml[y] + mcap, y) - 1
-                    f = cf if cf < mf else mf
-                    if cf < mf and cf < lim:
-                        e = (Pl[cf + 1] - Pl[y]) / self.s[j] + self.t[j]
-                        if e < ev:
-                            ev = e
-                    hb = f if f < lim else lim
-                    lb = x + 1
-                    if lb > hb:
-                        continue
+                for lb, hb in pieces:
                     if new and lb <= new[-1][1] + 1:
                         if hb > new[-1][1]:
                             new[-1] = (new[-1][0], hb)
                     else:
                         new.append((lb, hb))
+            # (2) cut below: stages j+1.. must still be able to take [b, n)
+            if new and j + 1 < p:
+                need = Pl[-1] - suf_c[j + 1] - margin
+                low = bisect.bisect_left(Pl, need, 0, n + 1)
+                if self.mtot_finite[j + 1]:
+                    low = max(low, bisect.bisect_left(Ml, Ml[-1] - self.suf_m[j + 1], 0, n + 1))
+                if low > new[0][0]:
+                    if low - 1 >= 0 and Pl[low - 1] < need:
+                        # position low-1 joins when the capacity sum grows enough
+                        e = (Pl[-1] - Pl[low - 1] - margin + suf_ts[j + 1]) / suf_s[j + 1] - 2 * self.btol
+                        if e < cut_ev:
+                            cut_ev = max(e, B)
+                    new = _cut_below(new, low)
             if not new:
-                return False, hist, ev
+                break
             R = new
             hist.append(R)
-        return R[-1][1] == n, hist, ev
+        ok = len(hist) == p + 1 and R[-1][1] == n
+        if not ok and cut_ev < ev:
+            ev = cut_ev
+            self.last_event_achievable = False
+        return ok, hist, ev
+
+    def _image(self, l: int, h: int, ccap: float, mcap: float, j: int, fast: bool,
+               lim: int) -> tuple[Intervals, float]:
+        """{b : a in [l, h], a < b <= far_j(a)} as intervals, and the smallest flip load."""
+        Pl, Ml, n = self.Pl, self.Ml, self.n
+        ev = math.inf
+        out: Intervals = []
+        x = l
+        if not fast and not self._clear(l, h, ccap, mcap):
+            idx, ev = self._blocked(l, h, ccap, mcap, j)
+            if len(idx):
+                # interior runs x..a-1 (a blocked) map to [x+1, a]
+                starts = np.concatenate(([l], idx + 1))
+                ends = np.concatenate((idx - 1, [h]))
+                keep = starts[:-1] <= ends[:-1]
+                out = [(a + 1, min(b + 1, lim)) for a, b in zip(starts[:-1][keep].tolist(), ends[:-1][keep].tolist())
+                       if a + 1 <= lim]
+                x = int(starts[-1])
+                if x > h:
+                    return out, ev
+        y = h
+        cf = bisect.bisect_right(Pl, Pl[y] + ccap, y) - 1
+        mf = n if mcap == math.inf else bisect.bisect_right(Ml, Ml[y] + mcap, y) - 1
+        f = cf if cf < mf else mf
+        if cf < mf and cf < lim:
+            e = (Pl[cf + 1] - Pl[y]) / self.s[j] + self.t[j]
+            if e < ev:
+                ev = e
+        hb = f if f < lim else lim
+        if x + 1 <= hb:
+            out.append((x + 1, hb))
+        return out, ev
 
     def backtrack(self, hist: list[Intervals]) -> list[int]:
         """A layout through the reachable sets: each boundary as late as possible."""
@@ -247,7 +323,7 @@ class Solver:
                     break
             else:
                 lo = max(ev, mid)
-                if lo <= hi:  # a lower bound that is an achievable value: try it directly
+                if lo <= hi and self.last_event_achievable:  # a lower bound that is an achievable value: try it directly
                     ok, hist, ev2 = self.forward(lo)
                     probes += 1
                     if ok:
@@ -330,6 +406,22 @@ class Solver:
         if out[0] != 0:
             return None
         return out
+
+
+def _sparse_table(x: np.ndarray) -> list[list[float]]:
+    levels = [x]
+    k = 1
+    while (1 << k) <= len(x):
+        prev = levels[-1]
+        half = 1 << (k - 1)
+        levels.append(np.maximum(prev[:-half], prev[half:]))
+        k += 1
+    return [lv.tolist() for lv in levels]
+
+
+def _cut_below(x: Intervals, low: int) -> Intervals:
+    out = [(max(a, low), b) for a, b in x if b >= low]
+    return out
 
 
 def _intersect(x: Intervals, y: Intervals) -> Intervals:
