@@ -38,7 +38,7 @@ def test_simulate_all_options(tmp_path, capsys):
         "fwd": [[1.0, 1.1, 0.9, 1.0]] * 4, "bwd": [[2.0] * 4] * 4, "wgrad": [[1.0] * 4] * 4,
         "comm": {"fwd": 0.1, "bwd": [0.1, 0.2, 0.1]}, "stages_per_rank": 2,
         "dp": 4, "grad_bytes": [1e6] * 4, "bandwidth": 1e8, "latency": 1e-4,
-        "allreduce_mode": "blocking",
+        "allreduce_mode": "blocking", "p2p": "rendezvous",
     }
     rc, out = _run(tmp_path, capsys, spec, "--trace", "--indent", "0")
     assert rc == 0, out.err

@@ -177,3 +177,14 @@ def test_stage_times_from_layer_times_and_layout():
     per_mb = stage_times([[1, 2]] * 6, layout)
     assert per_mb.tolist() == [[2, 4], [3, 6], [1, 2]]
     assert stage_times([2] * 6, layout, speeds=[1, 2, 1]).tolist() == [4, 3, 2]
+
+
+@pytest.mark.parametrize("m,c", [(1, 0.5), (4, 0.1), (8, 0.25)])
+def test_gpipe_rendezvous_transfers_do_not_overlap_the_receivers_previous_op(m, c):
+    # 2 ranks: each transfer starts only when the receiver finished its previous op, so
+    # every one of the m forward and m backward transfers is exposed on the receiver
+    r = simulate([TF, TF], [TB, TB], "GPipe", m, comm=c, p2p="rendezvous")
+    assert r.iteration_time == pytest.approx((m + 1) * (TF + TB) + 2 * m * c)
+    eager = simulate([TF, TF], [TB, TB], "GPipe", m, comm=c)
+    assert eager.iteration_time == pytest.approx((m + 1) * (TF + TB) + 2 * c)
+    assert predict_iteration_time([TF, TF], [TB, TB], "GPipe", m, comm=c, p2p="rendezvous") == r.iteration_time

@@ -54,11 +54,11 @@ def test_iteration_time_bounds_and_accounting(case):
 
 
 @SETTINGS
-@given(pipelines(), st.integers(0, 10**6), st.floats(0.01, 3.0))
-def test_monotone_in_every_op_time(case, pick, delta):
+@given(pipelines(), st.integers(0, 10**6), st.floats(0.01, 3.0), st.sampled_from(["eager", "rendezvous"]))
+def test_monotone_in_every_op_time(case, pick, delta, p2p):
     """Making any one op or transfer slower never makes the iteration faster."""
     plan, times, mode = case
-    base = simulate_plan(plan, times, allreduce_mode=mode, split_bubble=False).iteration_time
+    base = simulate_plan(plan, times, allreduce_mode=mode, p2p=p2p, split_bubble=False).iteration_time
     f, b, w = times.fwd.copy(), times.bwd.copy(), times.wgrad.copy()
     cf, cb, ar = times.comm_fwd.copy(), times.comm_bwd.copy(), times.allreduce.copy()
     S, m = f.shape
@@ -78,7 +78,17 @@ def test_monotone_in_every_op_time(case, pick, delta):
     else:
         ar[i % S] += delta
     slower = StageTimes(f, b, w, cf, cb, ar)
-    assert simulate_plan(plan, slower, allreduce_mode=mode, split_bubble=False).iteration_time >= base - 1e-9
+    again = simulate_plan(plan, slower, allreduce_mode=mode, p2p=p2p, split_bubble=False)
+    assert again.iteration_time >= base - 1e-9
+
+
+@SETTINGS
+@given(pipelines())
+def test_rendezvous_transfers_are_never_faster_than_eager(case):
+    plan, times, mode = case
+    eager = simulate_plan(plan, times, allreduce_mode=mode, split_bubble=False)
+    rdv = simulate_plan(plan, times, allreduce_mode=mode, p2p="rendezvous", split_bubble=False)
+    assert rdv.iteration_time >= eager.iteration_time - 1e-9
 
 
 @SETTINGS
@@ -93,7 +103,7 @@ def test_balanced_pipeline_has_no_imbalance_bubble(case):
 @given(pipelines())
 def test_trace_respects_dependencies(case):
     plan, times, mode = case
-    r = simulate_plan(plan, times, allreduce_mode="overlap", split_bubble=False, keep_trace=True)
+    r = simulate_plan(plan, times, allreduce_mode=mode, split_bubble=False, keep_trace=True)
     S = plan.num_stages
     span = {}
     for ops in r.trace:

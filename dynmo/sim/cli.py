@@ -7,7 +7,8 @@ stages.json (see docs/simulator.md):
      "comm": 0.001,                                    # optional: number, per link, {"fwd","bwd"}
      "stages_per_rank": 2,                             # optional, multi-stage schedules
      "dp": 30, "grad_bytes": [...], "bandwidth": 1e10, "latency": 1e-5,   # optional
-     "allreduce": [...], "allreduce_mode": "overlap"}  # optional
+     "allreduce": [...], "allreduce_mode": "overlap",  # optional
+     "p2p": "eager"}                                   # optional: or "rendezvous"
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ import argparse
 import json
 import sys
 
-from dynmo.sim.engine import ALLREDUCE_MODES, SimInputError, simulate
+from dynmo.sim.engine import ALLREDUCE_MODES, P2P_MODES, SimInputError, simulate
 from dynmo.sim.schedules import SCHEDULES, ScheduleError
 
 KEYS = {
     "schedule", "microbatches", "fwd", "bwd", "wgrad", "comm", "stages_per_rank", "dp",
-    "allreduce", "grad_bytes", "bandwidth", "latency", "allreduce_mode",
+    "allreduce", "grad_bytes", "bandwidth", "latency", "allreduce_mode", "p2p",
 }
 
 
@@ -37,6 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--microbatches", type=int, help="override the file's microbatches")
     ap.add_argument("--dp", type=int, help="override the number of data-parallel replicas")
     ap.add_argument("--allreduce-mode", choices=ALLREDUCE_MODES, help="override allreduce_mode")
+    ap.add_argument("--p2p", choices=P2P_MODES, help="override the transfer model (default eager)")
     ap.add_argument("--trace", action="store_true", help="include every op's start and end")
     ap.add_argument("--indent", type=int, default=2, help="JSON indent (0: one line)")
     return ap
@@ -66,6 +68,7 @@ def run(spec: dict, trace: bool = False) -> dict:
         bandwidth=spec.get("bandwidth"),
         latency=spec.get("latency", 0.0),
         allreduce_mode=spec.get("allreduce_mode", "overlap"),
+        p2p=spec.get("p2p", "eager"),
         keep_trace=trace,
     )
     return res.as_dict()
@@ -87,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if isinstance(spec, dict):
         for key, val in (("schedule", args.schedule), ("microbatches", args.microbatches),
-                         ("dp", args.dp), ("allreduce_mode", args.allreduce_mode)):
+                         ("dp", args.dp), ("allreduce_mode", args.allreduce_mode),
+                         ("p2p", args.p2p)):
             if val is not None:
                 spec[key] = val
     try:

@@ -26,6 +26,7 @@ import numpy as np
 from dynmo.sim.schedules import Op, Plan, ScheduleError, build_plan, canonical_name, default_stages_per_rank
 
 ALLREDUCE_MODES = ("overlap", "blocking")
+P2P_MODES = ("eager", "rendezvous")
 
 
 class SimInputError(ValueError):
@@ -226,14 +227,26 @@ class SimResult:
 
 
 def execute(
-    plan: Plan, times: StageTimes, allreduce_mode: str = "overlap", keep_trace: bool = False
+    plan: Plan,
+    times: StageTimes,
+    allreduce_mode: str = "overlap",
+    keep_trace: bool = False,
+    p2p: str = "eager",
 ) -> tuple[float, float, list[list[tuple[str, float, float]]] | None]:
     """Run `plan` with `times`; return (iteration_time, compute_time, trace or None).
+
+    p2p="eager": a transfer starts when the producing op ends. p2p="rendezvous": it starts
+    only once the receiving rank is also ready for it (has finished the op before the
+    consumer), as a blocking handshake would; torch posts the receive of GPipe and 1F1B
+    just before the consuming op, so on transports that need a posted receive the
+    transfer cannot overlap the receiver's previous op.
 
     Event-driven over a fixed per-rank order: a rank advances until its next op waits for
     an input that has not been produced yet, and is woken when the producer finishes. Every
     op is handled once, so the cost is linear in the number of ops.
     """
+    if p2p not in P2P_MODES:
+        raise SimInputError(f"p2p must be one of {P2P_MODES}, got {p2p!r}")
     if allreduce_mode not in ALLREDUCE_MODES:
         raise SimInputError(f"allreduce_mode must be one of {ALLREDUCE_MODES}, got {allreduce_mode!r}")
     S, m = times.num_stages, times.microbatches
@@ -261,6 +274,8 @@ def execute(
     for k in range(m):
         ready[0][k] = 0.0  # stage 0 reads the batch
     waiting: list[list[int]] = [[-1] * n, [-1] * n, [-1] * n]
+    rendezvous = p2p == "rendezvous"
+    pending: list[list[tuple[int, float] | None]] = [[None] * n, [None] * n, [None] * n]
     link_free: dict[tuple[int, int], float] = {}
 
     rank_ops = [list(ops) for ops in plan.rank_ops]
@@ -282,11 +297,18 @@ def execute(
             runnable.append(w)
 
     def transfer(src: int, dst: int, end: float, cost: float) -> float:
-        if src == dst:
-            return end
         start = max(end, link_free.get((src, dst), 0.0))
         link_free[(src, dst)] = start + cost
         return start + cost
+
+    def send(slot: int, idx: int, src: int, dst: int, end: float, cost: float) -> None:
+        if src == dst:
+            produce(slot, idx, end)
+        elif rendezvous:  # the receiver starts the transfer when it gets to the op
+            pending[slot][idx] = (src, cost)
+            produce(slot, idx, end)
+        else:
+            produce(slot, idx, transfer(src, dst, end, cost))
 
     while runnable:
         r = runnable.pop()
@@ -303,11 +325,14 @@ def execute(
                 if t_in is None:
                     waiting[slot][idx] = r
                     break
+                if rendezvous and pending[slot][idx] is not None:
+                    src, cost = pending[slot][idx]
+                    t_in = transfer(src, r, t_in if t_in > free[r] else free[r], cost)
                 start = t_in if t_in > free[r] else free[r]
                 if kind == "F":
                     end = start + fwd[s][k]
                     if s + 1 < S:
-                        produce(0, idx + m, transfer(r, owner[s + 1], end, cf[s]))
+                        send(0, idx + m, r, owner[s + 1], end, cf[s])
                     else:
                         produce(1, idx, end)  # loss: the last stage's backward may start
                 elif kind == "W":
@@ -316,7 +341,7 @@ def execute(
                 else:  # B or I
                     end = start + bi[s][k]
                     if s > 0:
-                        produce(1, idx - m, transfer(r, owner[s - 1], end, cb[s - 1]))
+                        send(1, idx - m, r, owner[s - 1], end, cb[s - 1])
                     if kind == "I":
                         produce(2, idx, end)
                     else:
@@ -376,6 +401,7 @@ def simulate(
     bandwidth: float | None = None,
     latency: float = 0.0,
     allreduce_mode: str = "overlap",
+    p2p: str = "eager",
     split_bubble: bool = True,
     keep_trace: bool = False,
 ) -> SimResult:
@@ -407,7 +433,7 @@ def simulate(
             f"{name} with {v} stages per rank needs a multiple of {v} stages; got {times.num_stages}"
         )
     plan = build_plan(name, times.num_stages // v, times.microbatches, stages_per_rank=v)
-    return simulate_plan(plan, times, dp=dp, allreduce_mode=allreduce_mode,
+    return simulate_plan(plan, times, dp=dp, allreduce_mode=allreduce_mode, p2p=p2p,
                          split_bubble=split_bubble, keep_trace=keep_trace)
 
 
@@ -417,11 +443,12 @@ def simulate_plan(
     *,
     dp: int = 1,
     allreduce_mode: str = "overlap",
+    p2p: str = "eager",
     split_bubble: bool = True,
     keep_trace: bool = False,
 ) -> SimResult:
     """`simulate` for an already built plan and normalized times (for repeated runs)."""
-    T, compute_T, trace = execute(plan, times, allreduce_mode, keep_trace)
+    T, compute_T, trace = execute(plan, times, allreduce_mode, keep_trace, p2p)
     p = plan.num_ranks
     per_stage = times.fwd.sum(axis=1) + times.bwd.sum(axis=1)  # I + W = bwd when split
     busy = [0.0] * p
@@ -445,7 +472,7 @@ def simulate_plan(
         trace=trace,
     )
     if split_bubble:
-        Tb, _, _ = execute(plan, times.balanced(), allreduce_mode)
+        Tb, _, _ = execute(plan, times.balanced(), allreduce_mode, False, p2p)
         res.balanced_iteration_time = Tb
         res.bubble_inherent = bubble_ratio(busy, Tb)  # same total work, balanced split
         res.bubble_imbalance = res.bubble_ratio - res.bubble_inherent
@@ -469,16 +496,18 @@ def predict_iteration_time(
     wgrad: Sequence | None = None,
     comm=0.0,
     stages_per_rank: int | None = None,
+    p2p: str = "eager",
 ) -> float:
     """Predicted seconds per training step from measured per-stage times.
 
     For validating the simulator against real runs: pass the per-stage forward and
     backward time of one microbatch (lists indexed by stage; per-microbatch lists also
     work), the torch schedule name and the microbatch count; compare with the measured
-    step time. Data parallel all-reduce is not included (dp=1).
+    step time. Data parallel all-reduce is not included (dp=1). `p2p` picks the transfer
+    model (see `execute`); with comm=0 both give the same answer.
     """
     return simulate(fwd, bwd, schedule, microbatches, wgrad=wgrad, comm=comm,
-                    stages_per_rank=stages_per_rank, split_bubble=False).iteration_time
+                    stages_per_rank=stages_per_rank, p2p=p2p, split_bubble=False).iteration_time
 
 
 def lower_bound(times: StageTimes, plan: Plan) -> float:
