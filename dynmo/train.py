@@ -148,7 +148,7 @@ class Trainer:
         vec = torch.zeros(S + 6, dtype=torch.float64)
         for s, c in res.stage_compute_s.items():
             vec[s] = c
-        vec[S:] = torch.tensor([res.schedule_s, res.step_s, res.loss_sum, res.loss_count, mig_bytes, mig_s])
+        vec[S:] = torch.tensor([res.schedule_s, res.step_s, res.loss_sum, res.loss_count, mig_bytes, mig_s], dtype=torch.float64)
         parts = [torch.zeros_like(vec) for _ in range(self.ctx.world)]
         dist.all_gather(parts, vec, group=self.ctx.active_group)
         allv = torch.stack(parts)  # [world, S + 6]

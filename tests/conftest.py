@@ -1,0 +1,37 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A tiny model that still exercises every mechanism; compute per step is milliseconds.
+TINY = [
+    "--model.n_layers", "4", "--model.d_model", "64", "--model.n_heads", "2", "--model.seq_len", "32",
+    "--model.vocab_size", "512", "--train.global_batch", "8", "--train.microbatches", "4",
+    "--train.warmup_steps", "2", "--log.tensorboard", "false", "--log.progress", "false",
+]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cache_dir(tmp_path_factory):
+    """One tokenizer cache per test session, shared with the torchrun subprocesses."""
+    if "DYNMO_CACHE" not in os.environ:
+        os.environ["DYNMO_CACHE"] = str(tmp_path_factory.mktemp("dynmo-cache"))
+    yield
+
+
+def run_train(out: Path, *args: str, nproc: int = 2, timeout: int = 300, check: bool = True) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "dynmo.cli", "train", "--nproc", str(nproc), "--out", str(out), *TINY, *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"dynmo train failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
+    return p
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]

@@ -1,0 +1,77 @@
+"""Single-process reference training: the same layers, data and update as the pipeline,
+run as one model that accumulates the same microbatches. What the pipeline must equal."""
+
+from __future__ import annotations
+
+import torch
+
+from dynmo.config import Config, load_config
+from dynmo.data import TokenData, prepare
+from dynmo.model.gpt import build_layer, layer_specs, loss_fn
+from dynmo.runtime import optim
+
+
+def reference_run(cfg: Config, steps: int, dp: int = 1):
+    """Train `steps` steps (the LR schedule spans cfg.train.steps). Returns (per-step mean loss, final weights keyed like the checkpoints).
+
+    Runs on one thread, like each rank (OMP_NUM_THREADS=1): CPU kernels may sum in another
+    order with more threads, which changes the last bits.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _run(cfg, steps, dp)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(cfg: Config, steps: int, dp: int):
+    folder = prepare(cfg.data.paths, cfg.model.vocab_size, cfg.data.cache_dir)
+    data = TokenData.load(folder, cfg.model.seq_len, cfg.data.val_fraction, cfg.train.seed)
+    specs = layer_specs(cfg.model)
+    layers = {s.name: build_layer(s, cfg.model, cfg.train.seed) for s in specs}
+    opt = optim.build_optimizer(layers, cfg.train, torch.device("cpu"))
+    n_mb, G = cfg.train.microbatches, cfg.train.global_batch
+    losses = []
+    for step in range(steps):
+        batch = torch.from_numpy(data.batch(step, G))
+        per = G // dp
+        replica_grads, step_losses = [], []
+        for r in range(dp):
+            mine = batch[r * per : (r + 1) * per]
+            x_all, y_all = mine[:, :-1].contiguous(), mine[:, 1:].contiguous()
+            for x, y in zip(x_all.tensor_split(n_mb), y_all.tensor_split(n_mb)):
+                out = (x,)
+                for layer in layers.values():
+                    out = layer(*out)
+                    out = out if isinstance(out, tuple) else (out,)
+                loss = loss_fn(out[0], y)
+                loss.backward()
+                step_losses.append(loss.item())
+            grads = [p.grad.div_(n_mb).clone() for layer in layers.values() for p in layer.parameters()]
+            replica_grads.append(grads)
+            opt.zero_grad(set_to_none=True)
+        params = [p for layer in layers.values() for p in layer.parameters()]
+        for k, p in enumerate(params):
+            g = replica_grads[0][k]
+            for r in range(1, dp):
+                g = g + replica_grads[r][k]
+            p.grad = g.div_(dp) if dp > 1 else g
+        sq = torch.stack([optim.layer_sq_norm(layer) for layer in layers.values()])
+        _, scale = optim.clip_coefficient(sq, cfg.train.grad_clip)
+        if scale != 1.0:
+            for p in params:
+                p.grad.mul_(scale)
+        for g in opt.param_groups:
+            g["lr"] = optim.lr_at(step, cfg.train)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(sum(step_losses) / len(step_losses))
+    weights = {f"{name}.{k}": v.detach().clone() for name, layer in layers.items() for k, v in layer.state_dict().items()}
+    return losses, weights
+
+
+def tiny_config(*overrides: str) -> Config:
+    from tests.conftest import TINY
+
+    return load_config(None, [*TINY, *overrides])
