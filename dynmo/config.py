@@ -28,6 +28,7 @@ class ModelConfig:
     n_layers: int = 8  # transformer blocks; the pipeline moves n_layers + 2 layers (E, t..., L)
     mlp_ratio: int = 4
     dropout: float = 0.0  # 0 keeps runs bitwise reproducible across layouts
+    block: str = "dense"  # block variant (dynmo.model.gpt.BLOCKS): dense, or a dynamic model's
 
 
 @dataclass

@@ -114,6 +114,29 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 KINDS = {"E": Embedding, "t": Block, "L": Head}
 
+# Block variants for dynamic models (model.block selects one): each takes (cfg: ModelConfig)
+# and maps (x, mask) -> (x, mask) with the same shapes as Block.
+BLOCKS: dict[str, type[nn.Module]] = {"dense": Block}
+
+
+def register_block(name: str):
+    """Class decorator: make a block variant available as `model.block = name`."""
+
+    def deco(cls):
+        BLOCKS[name] = cls
+        return cls
+
+    return deco
+
+
+def layer_class(kind: str, cfg: ModelConfig) -> type[nn.Module]:
+    if kind != "t":
+        return KINDS[kind]
+    try:
+        return BLOCKS[cfg.block]
+    except KeyError:
+        raise ValueError(f"unknown model.block {cfg.block!r}; known: {sorted(BLOCKS)}") from None
+
 
 @dataclass(frozen=True)
 class LayerSpec:
@@ -142,7 +165,7 @@ def build_layer(spec: LayerSpec, cfg: ModelConfig, seed: int, device: torch.devi
     """Build one layer with weights that depend only on (seed, spec), not on where it is built."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed * 1_000_003 + spec.index)
-        layer = KINDS[spec.kind](cfg)
+        layer = layer_class(spec.kind, cfg)(cfg)
         _init_weights(layer, cfg)
     return layer.to(device)
 
@@ -164,4 +187,4 @@ def param_count(layer: nn.Module) -> int:
 def layer_param_counts(cfg: ModelConfig) -> list[int]:
     """Parameters per layer without allocating weights (built on the meta device)."""
     with torch.device("meta"):
-        return [param_count(KINDS[s.kind](cfg)) for s in layer_specs(cfg)]
+        return [param_count(layer_class(s.kind, cfg)(cfg)) for s in layer_specs(cfg)]

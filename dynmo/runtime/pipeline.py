@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from dynmo.config import Config
 from dynmo.layout import Layout, LayoutError
-from dynmo.model.gpt import KINDS, LayerSpec, build_layer, layer_specs, loss_fn
+from dynmo.model.gpt import LayerSpec, build_layer, layer_class, layer_specs, loss_fn
 from dynmo.runtime import optim
 from dynmo.runtime.dist import DistContext
 from dynmo.runtime.schedules import schedule_kind, stage_to_rank
@@ -230,7 +230,7 @@ class Pipeline:
         spec: LayerSpec = pkt.header["spec"]
         self.specs[spec.index] = spec
         with torch.device("meta"):
-            layer = KINDS[spec.kind](self.cfg.model)
+            layer = layer_class(spec.kind, self.cfg.model)(self.cfg.model)
         layer = layer.to_empty(device=self.ctx.device)
         weights = {k[2:]: v for k, v in pkt.tensors.items() if k.startswith("w.")}
         layer.load_state_dict(weights, strict=True)
