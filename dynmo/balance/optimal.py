@@ -133,7 +133,7 @@ class Solver:
         return self.dmax_c + self.rnd_c <= ccap and self.dmax_m + self.rnd_m <= mcap
 
     # ---- forward reachability ---------------------------------------------------------
-    def forward(self, B: float) -> tuple[bool, list[Intervals], float]:
+    def forward(self, B: float, cut: bool = True) -> tuple[bool, list[Intervals], float]:
         """(feasible, R_0..R_j as interval lists, next event load if infeasible).
 
         Two facts keep this fast. (1) Inside an interval [l, h] of R_{j-1}, a run x..y of
@@ -176,7 +176,7 @@ class Solver:
                     else:
                         new.append((lb, hb))
             # (2) cut below: stages j+1.. must still be able to take [b, n)
-            if new and j + 1 < p:
+            if cut and new and j + 1 < p:
                 need = Pl[-1] - suf_c[j + 1] - margin
                 low = bisect.bisect_left(Pl, need, 0, n + 1)
                 if self.mtot_finite[j + 1]:
@@ -304,6 +304,7 @@ class Solver:
         """(B*, a layout achieving it, number of probes)."""
         ok, hist, _ = self.forward(math.inf)
         if not ok:
+            _, hist, _ = self.forward(math.inf, cut=False)
             raise BalanceError(explain_memory(self.problem, hist))
         best = self.backtrack(hist)
         hi = self.bottleneck_of(best)
