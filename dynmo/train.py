@@ -142,16 +142,19 @@ class Trainer:
 
     def _record(self, step: int, res: StepResult, events: list[dict]) -> dict:
         """Gather every rank's step figures onto all ranks and build the metrics record."""
-        S = self.pipe.num_stages
+        S, n = self.pipe.num_stages, len(self.pipe.specs)
         mig_bytes = sum(e.get("bytes", 0) for e in events if e["type"] == "migration")
         mig_s = sum(e.get("seconds", 0.0) for e in events if e["type"] == "migration")
-        vec = torch.zeros(S + 6, dtype=torch.float64)
+        vec = torch.zeros(S + 6 + 2 * n, dtype=torch.float64)
         for s, c in res.stage_compute_s.items():
             vec[s] = c
-        vec[S:] = torch.tensor([res.schedule_s, res.step_s, res.loss_sum, res.loss_count, mig_bytes, mig_s], dtype=torch.float64)
+        vec[S : S + 6] = torch.tensor([res.schedule_s, res.step_s, res.loss_sum, res.loss_count, mig_bytes, mig_s], dtype=torch.float64)
+        L = S + 6
+        for i, (f, b) in res.layer_times.items():
+            vec[L + i], vec[L + n + i] = f, b
         parts = [torch.zeros_like(vec) for _ in range(self.ctx.world)]
         dist.all_gather(parts, vec, group=self.ctx.active_group)
-        allv = torch.stack(parts)  # [world, S + 6]
+        allv = torch.stack(parts)  # [world, S + 6 + 2n]
         dp, pp = self.ctx.dp, self.ctx.pp
         stage_compute = (allv[:, :S].sum(0) / dp).tolist()  # each stage once per replica
         iteration = float(allv[:, S].max())
@@ -165,6 +168,9 @@ class Trainer:
                 e["bytes"] = int(allv[:, S + 4].sum())
                 e["seconds"] = float(allv[:, S + 5].max())
         tokens = self.cfg.train.global_batch * self.cfg.model.seq_len
+        per_mb = dp * self.cfg.train.microbatches  # each layer runs once per microbatch per replica
+        layer_fwd = (allv[:, L : L + n].sum(0) / per_mb).tolist()
+        layer_bwd = (allv[:, L + n : L + 2 * n].sum(0) / per_mb).tolist()
         return {
             "step": step,
             "loss": loss,
@@ -179,6 +185,8 @@ class Trainer:
             "worker_idle_s": worker_idle,
             "bubble_ratio": sum(worker_idle) / (pp * iteration) if iteration > 0 else 0.0,
             "imbalance": imbalance(stage_compute),
+            "layer_fwd_s": layer_fwd,
+            "layer_bwd_s": layer_bwd,
             "grad_norm": res.grad_norm,
             "lr": self.pipe.optimizer.param_groups[0]["lr"],
             "events": events,

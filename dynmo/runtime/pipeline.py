@@ -36,6 +36,7 @@ class StepResult:
     schedule_s: float  # wall time inside schedule.step
     step_s: float  # wall time of the whole step (schedule + grad sync + optimizer)
     stage_compute_s: dict[int, float]  # per local stage: seconds computing
+    layer_times: dict[int, tuple[float, float]]  # per local layer: (fwd s, bwd s) summed over microbatches
     grad_norm: float
 
 
@@ -105,7 +106,7 @@ class Pipeline:
         self.stages: list[TimedPipelineStage] = []
         for s in self.my_stages():
             idx = list(self.layout.layers(s))
-            module = StageModule([self.specs[i].name for i in idx], [self.layers[i] for i in idx])
+            module = StageModule([self.specs[i].name for i in idx], [self.layers[i] for i in idx], idx)
             inputs, outputs = example_io(
                 s == 0, s == self.num_stages - 1, self.microbatch, m.seq_len, m.d_model, m.vocab_size, self.ctx.device
             )
@@ -144,6 +145,7 @@ class Pipeline:
             schedule_s=t_sched,
             step_s=time.perf_counter() - t0,
             stage_compute_s={st.stage_index: st.compute_s for st in self.stages},
+            layer_times={i: t for st in self.stages for i, t in st.submod.layer_times().items()},
             grad_norm=grad_norm,
         )
 
