@@ -1,0 +1,197 @@
+"""Mixture of Experts block ("moe"): attention, then a Mixtral-style sparse MoE MLP.
+
+Routing (Mixtral): router logits -> softmax over experts -> top-k experts per token -> their
+probabilities renormalised to sum to 1 (`norm_topk_prob`). Auxiliary load-balancing loss
+(Switch/Mixtral): `E * sum_e f_e * P_e`, f_e the fraction of the token->expert assignments
+that chose expert e, P_e the mean router probability of e; it is 1 when perfectly balanced.
+Optional capacity factor: each expert keeps at most `ceil(cf * tokens * k / E)` assignments,
+first choices before second choices, earlier tokens first; dropped assignments contribute
+nothing (the token keeps its residual).
+
+Expert compute follows the routing and is *padded to the busiest expert*: every expert's
+tokens are gathered into one [E, C, D] buffer with C = the largest expert load (capped by
+the capacity), and all experts run as one batched matmul over it. Why padding rather than an
+exact grouped matmul: on expert-parallel hardware each expert sits on its own device and the
+layer finishes when the busiest one does, so the layer's time is proportional to the maximum
+load, not the mean. On one device an exact grouped matmul costs sum_e load_e = tokens * k,
+the same every step, and would hide the imbalance the balancer must see. Padding makes the
+measured per-layer time (and the counted matmul rows, `expert_rows = E * C`) follow the
+routing imbalance the way expert-parallel hardware does. Padding rows are zeros and their
+outputs are discarded, so they change neither the result nor the gradients.
+
+Only active tokens (mask True) are routed; inactive ones get no MLP update.
+
+Per-layer stats (`block.last_stats`, summed/averaged over the forwards since
+`block.reset_stats()`): tokens_per_expert (assignments before dropping), routing_imbalance
+(mean over forwards of max/mean expert load), expert_rows (padded rows computed: the cost),
+useful_rows, dropped, active_tokens, aux_loss (mean), forwards.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dynmo.config import ModelConfig
+from dynmo.dynamics import StepStats, attach_aux_loss
+from dynmo.model.gpt import CausalSelfAttention, register_block
+
+
+@dataclass
+class MoEOptions:
+    num_experts: int = 8
+    top_k: int = 2
+    capacity_factor: float = 0.0  # 0 = dropless; else per-expert capacity ceil(cf * tokens * top_k / num_experts)
+    aux_loss_coef: float = 0.01  # weight of the load-balancing loss
+    norm_topk_prob: bool = True  # renormalise the top-k probabilities (Mixtral); False = Switch-style raw probs
+
+
+class ExpertLinear(nn.Module):
+    """E independent linear maps applied to an [E, C, in] buffer with one batched matmul."""
+
+    def __init__(self, num_experts: int, d_in: int, d_out: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, d_in, d_out).normal_(0.0, 0.02))
+        self.bias = nn.Parameter(torch.zeros(num_experts, d_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.baddbmm(self.bias.unsqueeze(1), x, self.weight)
+
+
+class Experts(nn.Module):
+    """E GELU MLPs, each the size of the dense block's MLP (names mirror `MLP` for the init)."""
+
+    def __init__(self, num_experts: int, d_model: int, hidden: int, dropout: float):
+        super().__init__()
+        self.fc = ExpertLinear(num_experts, d_model, hidden)
+        self.proj = ExpertLinear(num_experts, hidden, d_model)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+
+@dataclass
+class Routing:
+    """One forward's routing decisions, over the routed (active) tokens."""
+
+    probs: torch.Tensor  # [N, E] router probabilities
+    expert: torch.Tensor  # [A] expert of each kept assignment
+    token: torch.Tensor  # [A] token (row of the routed tokens) of each kept assignment
+    weight: torch.Tensor  # [A] gate weight of each kept assignment
+    slot: torch.Tensor  # [A] row in the expert's padded buffer
+    loads: torch.Tensor  # [E] assignments per expert before dropping
+    capacity_rows: int  # C: rows per expert in the padded buffer
+
+
+class MoELayer(nn.Module):
+    def __init__(self, d_model: int, hidden: int, opts: MoEOptions, dropout: float = 0.0):
+        super().__init__()
+        if not 1 <= opts.top_k <= opts.num_experts:
+            raise ValueError(f"moe.top_k={opts.top_k} must be in 1..moe.num_experts={opts.num_experts}")
+        self.opts = opts
+        self.router = nn.Linear(d_model, opts.num_experts, bias=False)
+        nn.init.normal_(self.router.weight, 0.0, 0.02)
+        self.experts = Experts(opts.num_experts, d_model, hidden, dropout)
+
+    def route(self, x: torch.Tensor) -> Routing:
+        E, k = self.opts.num_experts, self.opts.top_k
+        N = x.shape[0]
+        probs = F.softmax(self.router(x), dim=-1)
+        top_p, top_e = probs.topk(k, dim=-1)  # [N, k]
+        if self.opts.norm_topk_prob:
+            top_p = top_p / top_p.sum(-1, keepdim=True)
+        # Assignments in priority order: every token's first choice, then second choices, ...
+        expert = top_e.t().reshape(-1)
+        weight = top_p.t().reshape(-1)
+        token = torch.arange(N, device=x.device).repeat(k)
+        onehot = F.one_hot(expert, E)
+        slot = (onehot.cumsum(0) - 1).gather(1, expert[:, None]).squeeze(1)  # rank within its expert
+        loads = onehot.sum(0)
+        rows = int(loads.max()) if N else 0
+        if self.opts.capacity_factor > 0:
+            cap = math.ceil(self.opts.capacity_factor * N * k / E)
+            keep = slot < cap
+            expert, token, weight, slot = expert[keep], token[keep], weight[keep], slot[keep]
+            rows = min(rows, cap)
+        return Routing(probs, expert, token, weight, slot, loads, rows)
+
+    def aux_loss(self, r: Routing) -> torch.Tensor:
+        E = self.opts.num_experts
+        if r.probs.shape[0] == 0:
+            return r.probs.sum()
+        f = r.loads.to(r.probs.dtype) / r.loads.sum()
+        return E * (f * r.probs.mean(0)).sum()
+
+    def forward(self, x: torch.Tensor, r: Routing) -> torch.Tensor:
+        """x: [N, D] routed tokens -> [N, D] gate-weighted sum of their experts' outputs."""
+        E, C, D = self.opts.num_experts, r.capacity_rows, x.shape[1]
+        flat = r.expert * C + r.slot
+        buf = x.new_zeros(E * C, D).index_copy(0, flat, x[r.token])
+        y = self.experts(buf.view(E, C, D)).reshape(E * C, D)
+        return x.new_zeros(x.shape).index_add(0, r.token, y[flat] * r.weight[:, None])
+
+
+@register_block("moe")
+class MoEBlock(nn.Module):
+    """Pre-norm block whose MLP is a sparse MoE (see module docstring)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.opts = getattr(cfg, "moe", None) or MoEOptions()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.moe = MoELayer(cfg.d_model, cfg.mlp_ratio * cfg.d_model, self.opts, cfg.dropout)
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self._stats = StepStats()
+        self.last_stats: dict = {}
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor):
+        x, aux = self.forward_with_aux(x, mask)
+        return attach_aux_loss(x, aux, self.opts.aux_loss_coef), mask
+
+    def forward_with_aux(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's output and its (unweighted) load-balancing loss, for single-process use."""
+        B, T, D = x.shape
+        x = x + self.attn(self.ln1(x))
+        h = self.ln2(x).reshape(B * T, D)
+        active = mask.reshape(-1).nonzero().squeeze(1)
+        routed = h[active]
+        r = self.moe.route(routed)
+        y = h.new_zeros(h.shape).index_copy(0, active, self.moe(routed, r))
+        x = x + y.view(B, T, D)
+        aux = self.moe.aux_loss(r)
+        self._record(r, aux, routed.shape[0])
+        return x, aux
+
+    @torch.no_grad()
+    def _record(self, r: Routing, aux: torch.Tensor, n_active: int) -> None:
+        loads = r.loads.tolist()
+        mean = sum(loads) / len(loads)
+        self._stats.add(
+            tokens_per_expert=loads,
+            routing_imbalance=max(loads) / mean if mean else 1.0,
+            expert_rows=self.opts.num_experts * r.capacity_rows,
+            useful_rows=int(r.expert.numel()),
+            dropped=sum(loads) - int(r.expert.numel()),
+            active_tokens=n_active,
+            aux_loss=float(aux),
+        )
+        s = self._stats
+        self.last_stats = {
+            "tokens_per_expert": s.sums["tokens_per_expert"],
+            "routing_imbalance": s.mean("routing_imbalance"),
+            "expert_rows": s.sums["expert_rows"],
+            "useful_rows": s.sums["useful_rows"],
+            "dropped": s.sums["dropped"],
+            "active_tokens": s.sums["active_tokens"],
+            "aux_loss": s.mean("aux_loss"),
+            "forwards": s.forwards,
+        }
