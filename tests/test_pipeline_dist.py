@@ -1,5 +1,6 @@
 """End to end through the real launcher: `dynmo train` -> torchrun -> gloo ranks."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,23 @@ def test_forced_relayouts_leave_training_unchanged(tmp_path, reference):
     got = final_weights(tmp_path / "checkpoint-final", tmp_path)
     for k in got:
         assert torch.equal(got[k], ref_weights[k]), k
+    check_metric_invariants(tmp_path, recs)
+
+
+def check_metric_invariants(out: Path, recs: list[dict]) -> None:
+    n_mb = 4
+    for r in recs:
+        assert 0.0 <= r["bubble_ratio"] < 1.0 and r["imbalance"] >= 0.0 and r["tokens_per_s"] > 0
+        b = r["layout"]
+        assert len(r["stage_compute_s"]) == len(b) - 1 and len(r["layer_fwd_s"]) == b[-1]
+        for j in range(len(b) - 1):
+            # per-layer times are sub-intervals of the stage's compute intervals: never more
+            layer_sum = n_mb * sum(r["layer_fwd_s"][i] + r["layer_bwd_s"][i] for i in range(b[j], b[j + 1]))
+            assert 0.0 < layer_sum <= r["stage_compute_s"][j] + 1e-6
+            assert r["stage_compute_s"][j] <= r["iteration_s"] + 1e-6
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final_layout"] == recs[-1]["layout"] and summary["final_loss"] == recs[-1]["loss"]
+    assert (out / "config.toml").is_file()
 
 
 def test_checkpoint_resumes_under_another_layout_and_stage_count(tmp_path, reference):
@@ -89,4 +107,4 @@ def test_multi_stage_schedules_match_reference(tmp_path, reference, schedule, ex
     recs = metrics(tmp_path)
     assert [r["loss"] for r in recs] == pytest.approx(ref_losses, rel=1e-6)
     assert recs[2]["layout"] == [0, 2, 3, 5, 6]
-    assert all(0.0 <= r["bubble_ratio"] < 1.0 for r in recs)
+    check_metric_invariants(tmp_path, recs)
