@@ -1,0 +1,162 @@
+"""Mixture of Depths block ("mod", Raposo et al. 2024): per sequence, a router picks the top-k
+tokens (k = capacity x sequence length) that go through the block; the others bypass it on the
+residual stream, bit for bit.
+
+    r = router(x)                      one scalar per token
+    chosen = top-k of r per sequence   (expert-choice routing; kept in position order)
+    x_c = x[chosen]                    attention + MLP run on these k tokens only,
+    delta = attn(x_c) + mlp(...)       causal among the chosen tokens
+    out[chosen] = x_c + sigmoid(r_c) * delta ;  out[others] = x[others]
+
+The router weight multiplies the block's update so the router gets a gradient from the loss
+(Raposo et al. multiply by the raw logit; the sigmoid keeps the update bounded and starts every
+block at half strength instead of near zero).
+
+Top-k over the whole sequence is not causal: whether token t is chosen depends on later
+tokens. As in the paper, a small predictor (a linear map of the detached input) learns to
+predict top-k membership with a binary cross-entropy loss, carried into the backward pass by
+`attach_aux_loss` (`predictor_loss_coef`); the detached input keeps it from changing the
+model. With `routing = "predictor"` the block routes causally: a token goes through iff the
+predictor says so (the work per block then varies with the predictor, padded to the busiest
+sequence of the microbatch).
+
+Capacity may differ per block (`capacities`, indexed by block number). A block does not know
+its number when built (`build_layer` passes only the config); the runtime sets
+`layer.index = spec.index - 1` after building it. Without `capacities`, every block uses
+`capacity` and the index is not needed.
+
+Only active tokens (mask True) can be chosen; the mask passes through unchanged.
+
+Per-layer stats (`block.last_stats`, summed over the forwards since `block.reset_stats()`):
+rows (token rows the block computed: its cost, B x k per forward), tokens_processed (active
+chosen tokens), active_tokens, capacity, attn_pairs (causal query-key pairs among chosen
+tokens), predictor_accuracy and aux_loss (means), forwards.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dynmo.config import ModelConfig
+from dynmo.dynamics import StepStats, attach_aux_loss
+from dynmo.model.gpt import MLP, CausalSelfAttention, register_block
+
+
+@dataclass
+class MoDOptions:
+    capacity: float = 0.125  # fraction of each sequence's tokens that go through a block (paper: 12.5%)
+    capacities: list[float] = field(default_factory=list)  # per block 0..n_layers-1; empty = `capacity` everywhere
+    predictor_loss_coef: float = 0.01  # weight of the causal predictor's BCE loss
+    routing: str = "topk"  # topk (router top-k, training) | predictor (causal, by the predictor's decision)
+
+
+@register_block("mod")
+class MoDBlock(nn.Module):
+    """Pre-norm block that processes only the router's top-k tokens of each sequence."""
+
+    index: int | None = None  # block number (0-based); set by the runtime, needed only for `capacities`
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.opts = getattr(cfg, "mod", None) or MoDOptions()
+        if self.opts.routing not in ("topk", "predictor"):
+            raise ValueError(f"mod.routing={self.opts.routing!r}; use 'topk' or 'predictor'")
+        for c in [self.opts.capacity, *self.opts.capacities]:
+            if not 0.0 < c <= 1.0:
+                raise ValueError(f"MoD capacity {c} must be in (0, 1] (a fraction of the sequence)")
+        self.router = nn.Linear(cfg.d_model, 1)
+        self.predictor = nn.Linear(cfg.d_model, 1)
+        for lin in (self.router, self.predictor):
+            nn.init.normal_(lin.weight, 0.0, 0.02)
+            nn.init.zeros_(lin.bias)
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+        self.reset_stats()
+
+    @property
+    def capacity(self) -> float:
+        caps = self.opts.capacities
+        if not caps:
+            return self.opts.capacity
+        if self.index is None:
+            raise RuntimeError(
+                "mod.capacities is per block: set `layer.index = spec.index - 1` on each MoD block after building it"
+            )
+        if not 0 <= self.index < len(caps):
+            raise ValueError(f"mod.capacities has {len(caps)} entries, no entry for block {self.index}")
+        return caps[self.index]
+
+    def tokens_per_sequence(self, T: int) -> int:
+        return min(T, max(1, math.ceil(self.capacity * T)))
+
+    def reset_stats(self) -> None:
+        self._stats = StepStats()
+        self.last_stats: dict = {}
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor):
+        x, aux = self.forward_with_aux(x, mask)
+        return attach_aux_loss(x, aux, self.opts.predictor_loss_coef), mask
+
+    def forward_with_aux(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's output and its (unweighted) predictor loss, for single-process use."""
+        B, T, D = x.shape
+        k = self.tokens_per_sequence(T)
+        logits = self.router(x).squeeze(-1)  # [B, T]
+        pred = self.predictor(x.detach()).squeeze(-1)  # [B, T]
+        with torch.no_grad():
+            top = logits.masked_fill(~mask, float("-inf")).topk(k, dim=1).indices
+            target = torch.zeros_like(mask).scatter(1, top, True) & mask  # router top-k membership
+            if self.opts.routing == "topk":
+                idx, valid = top, mask.gather(1, top)
+            else:  # causal: each token decides alone; pad to the sequence with most accepted tokens
+                accept = (pred > 0) & mask
+                n = max(1, int(accept.sum(1).max()))
+                idx = pred.masked_fill(~accept, float("-inf")).topk(n, dim=1).indices
+                valid = accept.gather(1, idx)
+            # Chosen tokens in position order (attention stays causal among them); padding rows
+            # (inactive or not accepted) go last, so no chosen token attends to them.
+            order = (idx + T * (~valid)).argsort(dim=1)
+            idx, valid = idx.gather(1, order), valid.gather(1, order)
+        g = idx.unsqueeze(-1).expand(-1, -1, D)
+        sel = x.gather(1, g)  # [B, k, D]: the only tokens the block computes on
+        a = self.attn(self.ln1(sel))
+        delta = a + self.mlp(self.ln2(sel + a))
+        w = torch.sigmoid(logits.gather(1, idx)).unsqueeze(-1)
+        new = torch.where(valid.unsqueeze(-1), sel + w * delta, sel)
+        out = x.scatter(1, g, new)  # non-chosen tokens are copied from x untouched
+        m = mask.float()
+        aux = (F.binary_cross_entropy_with_logits(pred, target.float(), reduction="none") * m).sum() / m.sum().clamp_min(1)
+        self._record(idx.shape[1], valid, mask, pred, target, aux)
+        return out, aux
+
+    @torch.no_grad()
+    def _record(self, k: int, valid, mask, pred, target, aux) -> None:
+        B = mask.shape[0]
+        n_active = int(mask.sum())
+        agree = (((pred > 0) == target) & mask).sum()
+        self._stats.add(
+            rows=B * k,
+            attn_pairs=B * k * (k + 1) // 2,
+            tokens_processed=int(valid.sum()),
+            active_tokens=n_active,
+            predictor_accuracy=float(agree) / max(1, n_active),
+            aux_loss=float(aux),
+        )
+        s = self._stats
+        self.last_stats = {
+            "rows": s.sums["rows"],
+            "attn_pairs": s.sums["attn_pairs"],
+            "tokens_processed": s.sums["tokens_processed"],
+            "active_tokens": s.sums["active_tokens"],
+            "capacity": self.capacity,
+            "predictor_accuracy": s.mean("predictor_accuracy"),
+            "aux_loss": s.mean("aux_loss"),
+            "forwards": s.forwards,
+        }
