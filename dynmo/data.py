@@ -18,6 +18,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,6 +79,12 @@ def prepare(paths: list[str], vocab_size: int, cache_dir: str = "") -> Path:
         return folder
     from tokenizers import ByteLevelBPETokenizer
 
+    print(
+        f"dynmo: first use of this corpus: training a {vocab_size}-token BPE on {len(files)} files "
+        f"and tokenizing (cached in {folder})",
+        file=sys.stderr,
+        flush=True,
+    )
     folder.mkdir(parents=True, exist_ok=True)
     texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
     tok = ByteLevelBPETokenizer()

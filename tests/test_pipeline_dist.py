@@ -89,11 +89,13 @@ def test_checkpoint_resumes_under_another_layout_and_stage_count(tmp_path, refer
 
 
 def test_pipeline_times_data_parallel(tmp_path):
-    run_train(tmp_path, "--steps", "4", "--parallel.dp", "2", nproc=4)
+    # both replicas re-layout alike at step 2 (layers move inside each replica's pipeline)
+    run_train(tmp_path, "--steps", "4", "--parallel.dp", "2", "--parallel.relayout", "2:0,1,6", nproc=4)
     ref_losses, _ = reference_run(tiny_config("--train.steps", "4"), 4, dp=2)
     recs = metrics(tmp_path)
     assert [r["loss"] for r in recs] == pytest.approx(ref_losses, rel=1e-6)
     assert len(recs[0]["stage_compute_s"]) == 2
+    assert recs[2]["events"][0]["layers_moved"] == 2 and recs[3]["layout"] == [0, 1, 6]
 
 
 @pytest.mark.parametrize("schedule,extra", [
