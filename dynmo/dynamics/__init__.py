@@ -77,4 +77,4 @@ class StepStats:
 
 
 # Register the block variants (after the helpers above: the modules import them).
-from dynmo.dynamics import mod, moe  # noqa: E402,F401
+from dynmo.dynamics import hashattn, mod, moe  # noqa: E402,F401

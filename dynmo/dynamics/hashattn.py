@@ -1,0 +1,149 @@
+"""Hash-sparse attention block ("hashattn"): dynamic sparse causal attention after
+Pagliardini et al. 2023 ("Fast attention over long sequences with dynamic sparse flash
+attention"), computed tile by tile so the skipped work is really skipped.
+
+Query i may attend to key j iff j <= i and hash(q_i) == hash(k_j). Per head:
+
+1. Hash: random-projection LSH, bucket = argmax(x @ R) over `n_buckets` fixed random
+   directions R (a buffer drawn from the layer's seed, so a migrated or rebuilt layer has the
+   same one). Queries and keys use the same R; they change as the weights train, so the bucket
+   distribution, and with it the work, changes during training.
+2. Reorder: sort queries by (bucket, position), and keys the same way.
+3. Tile: split both sorted sequences into chunks of `chunk` tokens. A (query chunk, key
+   chunk) tile is computed only if the chunks' bucket ranges overlap and the key chunk's
+   earliest position is not after the query chunk's latest one (the test a block-sparse flash
+   kernel makes from per-tile bucket and index ranges). Inside a computed tile the exact mask
+   (same bucket, causal on original positions) applies.
+4. A softmax over the computed tiles of each query chunk (running max and sum combined across
+   tiles, as flash attention does), then un-sort.
+
+A query with no matching earlier key gets a zero output (the residual carries the token).
+With `n_buckets = 1` the sort is the identity, the computed tiles are exactly the causal
+lower triangle and the result equals dense causal attention. Attention dropout is not applied.
+
+Cost: the tile matmuls run on the computed tiles only, so the layer's time follows
+`blocks_computed`; `skipped_fraction = 1 - blocks_computed / blocks_causal`, where
+blocks_causal is what a dense causal flash kernel computes with the same tile size
+(n(n+1)/2 tiles per head and sequence, n = T / chunk).
+
+Per-layer stats (`block.last_stats`, summed over the forwards since `block.reset_stats()`):
+blocks_computed, blocks_causal, skipped_fraction (from those sums), tokens_per_bucket (queries,
+over batch and heads), forwards.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from dynmo.config import ModelConfig
+from dynmo.dynamics import StepStats
+from dynmo.model.gpt import MLP, CausalSelfAttention, register_block
+
+
+@dataclass
+class HashAttnOptions:
+    n_buckets: int = 4  # LSH buckets per head; 1 = dense causal attention
+    chunk: int = 16  # tokens per tile of the sorted sequence: the unit of skipped work; must divide seq_len
+
+
+class HashSparseAttention(CausalSelfAttention):
+    """Same parameters as `CausalSelfAttention` (qkv, proj); a fixed LSH projection buffer."""
+
+    def __init__(self, cfg: ModelConfig, opts: HashAttnOptions):
+        super().__init__(cfg)
+        if opts.n_buckets < 1 or opts.chunk < 1:
+            raise ValueError(f"hashattn.n_buckets={opts.n_buckets} and hashattn.chunk={opts.chunk} must be >= 1")
+        self.opts = opts
+        head_dim = cfg.d_model // cfg.n_heads
+        self.register_buffer("planes", torch.randn(cfg.n_heads, head_dim, opts.n_buckets))
+
+    def buckets(self, t: torch.Tensor) -> torch.Tensor:
+        """[B, H, T, hd] -> [B, H, T] bucket ids."""
+        if self.opts.n_buckets == 1:
+            return torch.zeros(t.shape[:-1], dtype=torch.long, device=t.device)
+        return torch.matmul(t, self.planes.unsqueeze(0)).argmax(-1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        B, T, C = x.shape
+        H, c = self.n_heads, self.opts.chunk
+        hd = C // H
+        if T % c:
+            raise ValueError(f"hashattn.chunk={c} must divide the sequence length {T}")
+        n = T // c
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, H, hd).transpose(1, 2) for t in (q, k, v))  # [B, H, T, hd]
+
+        with torch.no_grad():
+            pos = torch.arange(T, device=x.device)
+            bq, bk = self.buckets(q), self.buckets(k)
+            oq, ok = (bq * T + pos).argsort(-1), (bk * T + pos).argsort(-1)  # sort by (bucket, position)
+            sbq, sbk = bq.gather(-1, oq).view(B, H, n, c), bk.gather(-1, ok).view(B, H, n, c)
+            spq, spk = oq.view(B, H, n, c), ok.view(B, H, n, c)  # original positions, sorted
+            need = (
+                (sbq[..., :1] <= sbk[..., -1].unsqueeze(-2))  # [B, H, n_q, n_k]: bucket ranges overlap
+                & (sbk[..., 0].unsqueeze(-2) <= sbq[..., -1:])
+                & (spk.amin(-1).unsqueeze(-2) <= spq.amax(-1, keepdim=True))  # some key not after some query
+            )
+            b, h, i, j = need.nonzero().unbind(1)
+            allowed = (sbq[b, h, i].unsqueeze(-1) == sbk[b, h, j].unsqueeze(-2)) & (
+                spk[b, h, j].unsqueeze(-2) <= spq[b, h, i].unsqueeze(-1)
+            )  # [tiles, c, c]
+            group = (b * H + h) * n + i  # the query chunk each tile belongs to
+
+        def tiles(t, order, idx):
+            return t.gather(2, order.unsqueeze(-1).expand(-1, -1, -1, hd)).view(B, H, n, c, hd)[b, h, idx]
+
+        s = tiles(q, oq, i) @ tiles(k, ok, j).transpose(-1, -2) / math.sqrt(hd)
+        s = s.masked_fill(~allowed, float("-inf"))
+        with torch.no_grad():  # per-row max over the row's tiles; a constant shift of the softmax
+            m = torch.full((B * H * n, c), float("-inf"), dtype=s.dtype, device=s.device)
+            m = m.scatter_reduce(0, group.unsqueeze(-1).expand(-1, c), s.amax(-1), "amax")
+            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        p = torch.exp(s - m[group].unsqueeze(-1))
+        denom = s.new_zeros(B * H * n, c).index_add(0, group, p.sum(-1))
+        num = s.new_zeros(B * H * n, c, hd).index_add(0, group, p @ tiles(v, ok, j))
+        y_sorted = (num / denom.clamp_min(torch.finfo(s.dtype).tiny).unsqueeze(-1)).view(B, H, T, hd)
+        y = torch.zeros_like(y_sorted).scatter(2, oq.unsqueeze(-1).expand(-1, -1, -1, hd), y_sorted)
+        info = {
+            "blocks_computed": int(group.numel()),
+            "blocks_causal": B * H * n * (n + 1) // 2,
+            "tokens_per_bucket": torch.bincount(bq.flatten(), minlength=self.opts.n_buckets).tolist(),
+        }
+        return self.proj(y.transpose(1, 2).reshape(B, T, C)), info
+
+
+@register_block("hashattn")
+class HashAttnBlock(nn.Module):
+    """Pre-norm block with hash-sparse causal attention (see module docstring)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.opts = getattr(cfg, "hashattn", None) or HashAttnOptions()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = HashSparseAttention(cfg, self.opts)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self._stats = StepStats()
+        self.last_stats: dict = {}
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor):
+        a, info = self.attn(self.ln1(x))
+        x = x + a
+        x = x + self.mlp(self.ln2(x))
+        self._stats.add(**info)
+        s = self._stats.sums
+        self.last_stats = {
+            "blocks_computed": s["blocks_computed"],
+            "blocks_causal": s["blocks_causal"],
+            "skipped_fraction": 1.0 - s["blocks_computed"] / s["blocks_causal"],
+            "tokens_per_bucket": s["tokens_per_bucket"],
+            "forwards": self._stats.forwards,
+        }
+        return x, mask

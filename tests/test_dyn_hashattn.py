@@ -1,0 +1,135 @@
+"""Hash-sparse attention: equals dense causal attention with one bucket, equals the dense
+bucket-masked reference with many (skipping tiles loses nothing), the counted tile work
+follows the hash distribution and changes during training."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from dynmo.config import ModelConfig
+from dynmo.dynamics.hashattn import HashAttnBlock, HashAttnOptions, HashSparseAttention
+from dynmo.model.gpt import BLOCKS, Block, CausalSelfAttention, LayerSpec, build_layer
+
+B, T, D, H = 2, 32, 32, 2
+
+
+def cfg_with(**opts) -> ModelConfig:
+    cfg = ModelConfig(d_model=D, n_heads=H, seq_len=T, n_layers=2, mlp_ratio=2, block="hashattn")
+    cfg.hashattn = HashAttnOptions(**opts)  # the config field the runtime adds later
+    return cfg
+
+
+def heads(attn, x):
+    q, k, v = attn.qkv(x).split(D, dim=2)
+    return (t.view(B, T, H, D // H).transpose(1, 2) for t in (q, k, v))
+
+
+def masked_reference(attn: HashSparseAttention, x: torch.Tensor) -> torch.Tensor:
+    """Dense T x T attention with the mask (same bucket and causal); keyless rows give 0."""
+    q, k, v = heads(attn, x)
+    allowed = (attn.buckets(q).unsqueeze(-1) == attn.buckets(k).unsqueeze(-2)) & torch.ones(T, T, dtype=torch.bool).tril()
+    s = (q @ k.transpose(-1, -2) / math.sqrt(D // H)).masked_fill(~allowed, float("-inf"))
+    y = torch.softmax(s, -1).nan_to_num(0.0) @ v
+    return attn.proj(y.transpose(1, 2).reshape(B, T, D))
+
+
+@pytest.mark.parametrize("chunk", [4, 8, 32])
+def test_one_bucket_equals_dense_causal_attention(chunk):
+    torch.manual_seed(0)
+    cfg = cfg_with(n_buckets=1, chunk=chunk)
+    block = HashAttnBlock(cfg)
+    dense = Block(cfg)
+    dense.load_state_dict({k: v for k, v in block.state_dict().items() if k != "attn.planes"})
+    x = torch.randn(B, T, D)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    with torch.no_grad():
+        y, info = block.attn(x)
+        torch.testing.assert_close(y, CausalSelfAttention.forward(dense.attn, x), atol=1e-6, rtol=0)  # SDPA
+        out, m = block(x, mask)
+        torch.testing.assert_close(out, dense(x, mask)[0], atol=1e-6, rtol=0)
+    assert m is mask
+    n = T // chunk
+    assert info["blocks_computed"] == info["blocks_causal"] == B * H * n * (n + 1) // 2
+    assert block.last_stats["skipped_fraction"] == 0.0
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("n_buckets,chunk", [(2, 4), (4, 8), (8, 4), (16, 2)])
+def test_many_buckets_equal_masked_dense_and_skip_work(seed, n_buckets, chunk):
+    torch.manual_seed(seed)
+    attn = HashSparseAttention(cfg_with(), HashAttnOptions(n_buckets=n_buckets, chunk=chunk))
+    x = torch.randn(B, T, D)
+    with torch.no_grad():
+        y, info = attn(x)
+        torch.testing.assert_close(y, masked_reference(attn, x), atol=1e-6, rtol=0)
+    assert info["blocks_computed"] < info["blocks_causal"]  # tiles were skipped
+    assert sum(info["tokens_per_bucket"]) == B * H * T and len(info["tokens_per_bucket"]) == n_buckets
+
+
+def test_counted_tile_work_follows_blocks_computed():
+    torch.manual_seed(1)
+    hd, c, nb = D // H, 4, 8
+    attn = HashSparseAttention(cfg_with(), HashAttnOptions(n_buckets=nb, chunk=c))
+    counts = set()
+    for scale in [0.1, 1.0, 10.0]:  # different hash distributions -> different tiles
+        x = scale * torch.randn(B, T, D) + torch.randn(D)
+        with FlopCounterMode(display=False) as flops, torch.no_grad():
+            _, info = attn(x)
+        bmm = sum(v for op, v in flops.get_flop_counts()["Global"].items() if "bmm" in str(op))
+        hashing = 2 * (2 * B * H * T * hd * nb)  # q and k projected on the LSH directions
+        assert bmm == 2 * (2 * info["blocks_computed"] * c * c * hd) + hashing  # scores and P @ V per tile
+        counts.add(info["blocks_computed"])
+    assert len(counts) > 1
+
+
+def test_skipped_fraction_changes_during_training_and_loss_decreases():
+    torch.manual_seed(2)
+    block = HashAttnBlock(cfg_with(n_buckets=4, chunk=4))
+    head = torch.nn.Linear(D, 5)
+    x, y = torch.randn(B, T, D), torch.randint(0, 5, (B, T))
+    mask = torch.ones(B, T, dtype=torch.bool)
+    params = list(block.parameters()) + list(head.parameters())
+    opt = torch.optim.AdamW(params, lr=2e-2)
+    skipped, losses = [], []
+    for _ in range(10):
+        block.reset_stats()
+        out, _ = block(x, mask)
+        loss = F.cross_entropy(head(out).flatten(0, 1), y.flatten())
+        opt.zero_grad()
+        loss.backward()
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in params)
+        opt.step()
+        skipped.append(block.last_stats["skipped_fraction"])
+        losses.append(loss.item())
+    assert all(0.0 < s < 1.0 for s in skipped)
+    assert len(set(skipped)) > 1  # the hash distribution, and the work, move with the weights
+    assert losses[-1] < losses[0]
+
+
+def test_stats_accumulate_and_reset():
+    torch.manual_seed(3)
+    block = HashAttnBlock(cfg_with(n_buckets=4, chunk=4))
+    mask = torch.ones(B, T, dtype=torch.bool)
+    block(torch.randn(B, T, D), mask)
+    one = dict(block.last_stats)
+    block(torch.randn(B, T, D), mask)
+    s = block.last_stats
+    assert s["forwards"] == 2 and s["blocks_causal"] == 2 * one["blocks_causal"]
+    assert s["skipped_fraction"] == pytest.approx(1 - s["blocks_computed"] / s["blocks_causal"])
+    block.reset_stats()
+    assert block.last_stats == {}
+
+
+def test_registered_rebuilt_identically_and_bad_chunk():
+    assert BLOCKS["hashattn"] is HashAttnBlock
+    cfg = ModelConfig(d_model=D, n_heads=H, seq_len=T, n_layers=2, block="hashattn")
+    a, b = (build_layer(LayerSpec("t", 2), cfg, seed=7) for _ in range(2))
+    assert torch.equal(a.attn.planes, b.attn.planes)  # a migrated layer rebuilt from its spec hashes the same
+    assert a.opts == HashAttnOptions()
+    with pytest.raises(ValueError, match="must divide"):
+        HashAttnBlock(cfg_with(chunk=5))(torch.randn(B, T, D), torch.ones(B, T, dtype=torch.bool))
