@@ -33,7 +33,9 @@ class _AuxLossScaler(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, aux: torch.Tensor, coef: float):
         ctx.coef = coef
         ctx.aux_shape, ctx.aux_dtype = aux.shape, aux.dtype
-        return x.view_as(x)
+        # A copy, not `x` itself: an output aliasing an input would be a view that autograd
+        # forbids modifying in place, and later code (or a schedule) may do that.
+        return x.clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
