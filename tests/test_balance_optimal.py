@@ -11,6 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dynmo.balance import BALANCERS, EPS, BalanceError, Problem, balance
+from dynmo.balance.optimal import Solver, _intersect, optimal
+from dynmo.balance.result import make_result
 from dynmo.layout import Layout
 
 TOL = 1e-7
@@ -176,3 +178,70 @@ def test_minimal_moves_prefers_the_layout_closest_to_current():
     r = balance(pr, "optimal")
     assert r.bottleneck == 2
     assert [(m.layer, m.src, m.dst) for m in r.moves] == [(1, 1, 0)]
+
+
+@st.composite
+def homogeneous_problems(draw, max_layers=40):
+    """Identical workers: one speed, no cap or one cap with per-layer memory, one transfer cost."""
+    n = draw(st.integers(1, max_layers))
+    p = draw(st.integers(1, n))
+    cost = st.one_of(st.sampled_from([0.0, 1.0, 2.0, 3.0, 50.0]), st.floats(0, 10, allow_nan=False))
+    kw: dict = {"costs": draw(st.lists(cost, min_size=n, max_size=n)), "stages": p}
+    if draw(st.booleans()):
+        kw["speeds"] = [draw(st.sampled_from([0.5, 1.0, 3.0]))] * p
+    if draw(st.booleans()):
+        kw["memory"] = draw(st.lists(st.integers(0, 5), min_size=n, max_size=n))
+        if draw(st.booleans()):
+            kw["capacity"] = draw(st.integers(1, 30))
+    if p > 1 and draw(st.booleans()):
+        kw["transfer"] = draw(st.sampled_from([0.0, 0.5, 2.0, 40.0]))
+    if draw(st.booleans()):
+        cuts = sorted(draw(st.sets(st.integers(1, n - 1), min_size=p - 1, max_size=p - 1))) if n > 1 else []
+        kw["current"] = [0, *cuts, n]
+    return Problem(**kw)
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(homogeneous_problems())
+def test_identical_stage_fast_path_matches_general_path(pr):
+    """The greedy fast path (identical stages) and the interval-set path agree exactly."""
+    fast, gen = Solver(pr), Solver(pr, general=True)
+    assert fast.homog and not gen.homog
+    try:
+        B_gen = gen.min_bottleneck()[0]
+    except BalanceError:
+        with pytest.raises(BalanceError, match="infeasible"):
+            fast.min_bottleneck()
+        return
+    B_fast, best, _ = fast.min_bottleneck()
+    assert fast.bottleneck_of(best) == B_fast
+    assert abs(B_fast - B_gen) <= 2 * load_tol(pr) + 1e-12
+    a, b = balance(pr, "optimal"), make_result(pr, "optimal", boundaries=optimal(pr, _general=True))
+    check_invariants(pr, a)
+    assert len(a.moves) == len(b.moves)
+    assert a.bottleneck == pytest.approx(b.bottleneck, rel=1e-9, abs=1e-12)
+    # the F sets of the fast path are exactly the general ones
+    F = fast._homogeneous_fsets(B_fast)
+    if F is not None:
+        ok, R, _ = fast.forward(B_fast)
+        Q = fast.backward(B_fast)
+        assert F == [_intersect(R[k], Q[k]) for k in range(pr.stages + 1)]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(max_layers=12), st.integers(0, 2**32 - 1))
+def test_bulk_and_stagewise_move_dp_agree(pr, seed):
+    sol = Solver(pr, general=True)
+    try:
+        B = sol.min_bottleneck()[0]
+    except BalanceError:
+        return
+    ok, R, _ = sol.forward(B)
+    Q = sol.backward(B)
+    Fs = [_intersect(R[k], Q[k]) for k in range(pr.stages + 1)]
+    rng = np.random.default_rng(seed)
+    cur = pr.current_layout.boundaries
+    ranges = [(cur[j], cur[j + 1]) for j in range(pr.stages)]
+    if rng.random() < 0.5:  # arbitrary disjoint ranges, as in re-packing
+        ranges = [(u, int(rng.integers(u, v + 1))) for u, v in ranges]
+    assert sol._dp_bulk(B, Fs, ranges) == sol._dp_stagewise(B, Fs, ranges)

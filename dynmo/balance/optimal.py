@@ -30,13 +30,24 @@ Floating point: loads within EPS x (largest possible load) of each other are equ
 problem.EPS); every fit test uses the same expression `P[b] <= P[a] + cap` so forward and
 backward passes and the move DP agree bit for bit.
 
-Fewest moves (`_min_moves`). Among layouts with bottleneck <= B*, maximize the layers kept on
+Identical stages (fast path, `_homogeneous_probe`). With one speed, one memory cap (or none)
+and one transfer cost on every sending stage, the caps never grow in the order stage p-1,
+p-2, ..., 0, and then "each stage, from the back, takes the longest suffix that fits, leaving
+>= 1 layer for every earlier stage" is exact (exchange argument in `_homogeneous_probe`). A
+probe is one np.searchsorted over all positions plus an O(p) walk; the search starts from
+lo = max(average load, largest layer) and gallops up to the first feasible B. The reachable
+sets are then single intervals given by the forward and backward greedy
+(`_homogeneous_fsets`) unless some layer alone is too big for a stage. `Solver(general=True)`
+turns the fast path off (the tests compare both).
+
+Fewest moves (`min_moves`). Among layouts with bottleneck <= B*, maximize the layers kept on
 their current stage. Boundary k may only sit in F_k = R_k (forward reachable) intersected
 with Q_k (the rest [b, n) fits stages k..p-1, computed by the mirror pass). A DP over
 (k, b in F_k) takes the best predecessor a in F_{k-1} with [a, b) fitting stage k-1; the
-candidates for b are a window [near(b), b-1]. Cost O(sum_k |F_k| * window_k), vectorized per
-stage: at the optimum the F_k are narrow (most stages are tight), so this is far below the
-naive O(n^2 p).
+candidates for b are a window [near(b), b-1]. Cost O(sum_k |F_k| * window_k): at the optimum
+the F_k are narrow (most stages are tight), so this is far below the naive O(n^2 p).
+`_dp_bulk` builds the candidate table for all stages at once and runs the stage loop with four
+numpy calls per stage; `_dp_stagewise` (same result) is used when that table would be large.
 """
 
 from __future__ import annotations
@@ -53,7 +64,8 @@ Intervals = list[tuple[int, int]]
 
 
 class Solver:
-    def __init__(self, problem: Problem):
+    def __init__(self, problem: Problem, general: bool = False):
+        """`general=True` disables the identical-stage fast path (tests compare the two)."""
         self.problem = problem
         c, m = problem.c, problem.m
         self.n, self.p = len(c), problem.stages
@@ -73,14 +85,23 @@ class Solver:
         self.rnd_c = 8 * float(np.spacing(max(total, 1.0)))
         self.rnd_m = 8 * float(np.spacing(max(self.Ml[-1], 1.0)))
         self.smin = smin
-        # range-max tables over single-layer cost / memory: an O(1) "anything blocked in
-        # [l, h]?" test before the O(h - l) scan
-        self.spc = _sparse_table(np.diff(self.P))
-        self.spm = _sparse_table(np.diff(self.M))
+        # range-max tables over single-layer cost / memory (an O(1) "anything blocked in
+        # [l, h]?" test before the O(h - l) scan) are built on first use: see _clear
+        self._sp: tuple[list[list[float]], list[list[float]]] | None = None
         # suffix memory capacity of stages j..p-1 (for the cut-below in forward)
         suf = np.concatenate((np.cumsum(problem.cap[::-1])[::-1], [0.0]))
         self.suf_m = (suf + self.mtol).tolist()
         self.mtot_finite = np.isfinite(suf).tolist()
+        # identical stages (see _homogeneous_probe): one speed, one memory cap, one transfer
+        # cost on every sending stage (the last stage sends nothing, so its cost cap is larger)
+        s_, cap_, t_ = problem.s, problem.cap, problem.t
+        self.homog = (not general and bool(np.all(s_ == s_[0])) and bool(np.all(cap_ == cap_[0]))
+                      and bool(np.all(t_[: self.p - 1] == t_[0])))
+        self._near_m: np.ndarray | None = None
+        if self.homog and self.mcap[0] != math.inf:
+            # smallest a with [a, b) fitting the memory cap, for every b (independent of B);
+            # M + mcap is elementwise the same float as the scalar test Ml[a] + mcap
+            self._near_m = np.searchsorted(self.M + self.mcap[0], self.M, side="left")
 
     # ---- per-stage fit tests ----------------------------------------------------------
     def ccap(self, B: float, j: int) -> float:
@@ -122,8 +143,10 @@ class Solver:
 
     def _clear(self, l: int, h: int, ccap: float, mcap: float) -> bool:
         """True if no layer in [l, h] is blocked (conservative: False may still be clear)."""
+        if self._sp is None:
+            self._sp = (_sparse_table(np.diff(self.P)), _sparse_table(np.diff(self.M)))
         k = (h - l + 1).bit_length() - 1
-        tc, tm = self.spc[k], self.spm[k]
+        tc, tm = self._sp[0][k], self._sp[1][k]
         r = h - (1 << k) + 1
         cm = tc[l] if tc[l] > tc[r] else tc[r]
         mm = tm[l] if tm[l] > tm[r] else tm[r]
@@ -299,24 +322,146 @@ class Solver:
             a = max(a, am)
         return a
 
+    # ---- identical stages: greedy from the back ---------------------------------------
+    def _homogeneous_probe(self, B: float) -> tuple[bool, list[int] | None, float]:
+        """Exact feasibility of B for identical stages: (ok, boundaries g_0..g_p, next event).
+
+        Greedy from the back: stage p-1 takes the longest suffix that fits, then stage p-2,
+        ..., each leaving >= 1 layer for every earlier stage: g_p = n and
+        g_k = max(near_k(g_{k+1}), k), where near_k(b) is the smallest a with [a, b) fitting
+        stage k. B is feasible iff this reaches g_0 = 0 with every stage non-empty.
+
+        Why greedy is exact here (exchange argument). Stages 0..p-2 have the same cost cap
+        (B - t) s and memory cap; stage p-1 sends nothing, so its cost cap B s is at least as
+        large: in the order the greedy visits stages (p-1 first) the caps never grow. Let b*
+        be any feasible layout; by induction g_k <= b*_k for k = p..1 and every greedy stage
+        fits. Step k (given g_{k+1} <= b*_{k+1}):
+          - if b*_k < g_{k+1}: [b*_k, g_{k+1}) is a sub-range of b*'s stage k, so it fits and
+            near_k(g_{k+1}) <= b*_k; also k <= b*_k, hence g_k <= b*_k < g_{k+1}.
+          - if b*_k >= g_{k+1} (then k <= p-2, since b*_{p-1} < n = g_p): b* puts layer
+            g_{k+1}-1 on some stage j < k, so that layer alone fits stage j and hence stage k
+            (same caps), so near_k(g_{k+1}) <= g_{k+1}-1; with k < g_{k+1} (the clamp at
+            step k+1) g_k < g_{k+1} <= b*_k.
+        At k = 0, [0, g_1) is a sub-range of b*'s stage 0, so near_0(g_1) = 0. Conversely a
+        run reaching 0 is a layout. With heterogeneous stages the caps are not ordered and
+        this fails (see the module docstring); there the interval sets are needed.
+        All fit tests are the exact expressions of the general path (`P[b] <= P[a] + ccap`),
+        evaluated by np.searchsorted on P + ccap (elementwise the same floats), so both paths
+        take the same decisions.
+
+        Next event (when infeasible): the run is a function of the near_k values it looked
+        at; near_k(b) (cost part) only moves when [near_k(b)-1, b) starts to fit, i.e. at
+        that range's load. Stages where the memory cap or the clamp k decides cannot change.
+        """
+        n, p, Pl = self.n, self.p, self.Pl
+        mcap = self.mcap[0]
+        cl = self.ccap(B, p - 1)
+        nm = self._near_m
+        nc_last = self._near(n, cl, math.inf)
+        nm_last = 0 if nm is None else int(nm[n])
+        g = max(nc_last, nm_last, p - 1)
+        gs = [n]
+        ok = g < n
+        m = 0  # stages 0..p-2 visited (the failing one included)
+        near_c = None
+        if ok:
+            gs.append(g)
+            if p > 1:
+                cc = self.ccap(B, 0)
+                near_c = np.searchsorted(self.P + cc, self.P, side="left")
+                nl = (near_c if nm is None else np.maximum(near_c, nm)).tolist()
+                for k in range(p - 2, -1, -1):
+                    m += 1
+                    a = nl[g]
+                    if a < k:
+                        a = k
+                    if a >= g:
+                        ok = False
+                        break
+                    g = a
+                    gs.append(g)
+            ok = ok and g == 0
+        if ok:
+            gs.reverse()
+            return True, gs, math.inf
+        # next event
+        ev = math.inf
+        s, t = self.s[p - 1], self.t[p - 1]
+        if nc_last - 1 >= max(nm_last, p - 1):
+            ev = (Pl[n] - Pl[nc_last - 1]) / s + t
+        if m:
+            gn = np.asarray(gs[1 : 1 + m])  # g_{k+1} for k = p-2, p-3, ...
+            ks = p - 2 - np.arange(m)
+            nc = near_c[gn]
+            floor = ks if nm is None else np.maximum(nm[gn], ks)
+            sel = nc - 1 >= floor
+            if sel.any():
+                gb, ga = gn[sel], nc[sel] - 1
+                e = float(((self.P[gb] - self.P[ga]) / self.s[0] + self.t[0]).min())
+                ev = min(ev, e)
+        return False, None, ev
+
+    def _min_bottleneck_homogeneous(self) -> tuple[float, list[int], int]:
+        p, pr = self.p, self.problem
+        s, t = self.s[0], self.t[0] if p > 1 else 0.0
+        cmax = float(pr.c.max())
+        # lower bound: the average load, and the largest layer on any stage
+        lo = max(self.Pl[-1] / (p * s) + t * (p - 1) / p, cmax / s)
+        # upper bound: without memory caps the greedy is feasible at lo + cmax / s + t (each
+        # stage but the last is filled to more than its cap - cmax). B* is usually much
+        # closer to lo, so gallop up from lo + (top - lo) / 32; a failure raises lo to its event
+        top = lo + cmax / s + t
+        delta = max((top - lo) / 32, self.btol)
+        probes = 0
+        while True:
+            B = lo + delta if lo + delta < top else top
+            ok, best, ev = self._homogeneous_probe(B)
+            probes += 1
+            if ok:
+                break
+            lo = max(lo, ev)
+            if B >= top:
+                ok, best, _ = self._homogeneous_probe(math.inf)  # memory caps decide
+                probes += 1
+                if not ok:
+                    _, hist, _ = self.forward(math.inf, cut=False)
+                    raise BalanceError(explain_memory(self.problem, hist))
+                break
+            delta *= 2
+
+        def probe(B: float) -> tuple[bool, list[int] | None, float, bool]:
+            ok, bnd, ev = self._homogeneous_probe(B)
+            return ok, bnd, ev, True
+
+        return self._search(lo, best, probe, probes)
+
     # ---- search --------------------------------------------------------------------------
     def min_bottleneck(self) -> tuple[float, list[int], int]:
         """(B*, a layout achieving it, number of probes)."""
+        if self.homog:
+            return self._min_bottleneck_homogeneous()
         ok, hist, _ = self.forward(math.inf)
         if not ok:
             _, hist, _ = self.forward(math.inf, cut=False)
             raise BalanceError(explain_memory(self.problem, hist))
         best = self.backtrack(hist)
-        hi = self.bottleneck_of(best)
         pr = self.problem
         lo = max(self.Pl[-1] / float(pr.s.sum()), float(pr.c.max()) / float(pr.s.max()), float(pr.t.max()))
-        probes = 1
+
+        def probe(B: float) -> tuple[bool, list[int] | None, float, bool]:
+            ok, hist, ev = self.forward(B)
+            return ok, (self.backtrack(hist) if ok else None), ev, self.last_event_achievable
+
+        return self._search(lo, best, probe, 1)
+
+    def _search(self, lo: float, best: list[int], probe, probes: int) -> tuple[float, list[int], int]:
+        """Bisection between achievable bounds (module docstring); `best` is feasible."""
+        hi = self.bottleneck_of(best)
         while hi - lo > self.btol:
             mid = lo + (hi - lo) / 2
-            ok, hist, ev = self.forward(mid)
+            ok, bnd, ev, achievable = probe(mid)
             probes += 1
             if ok:
-                bnd = self.backtrack(hist)
                 L = self.bottleneck_of(bnd)
                 if L < hi:
                     hi, best = L, bnd
@@ -324,11 +469,10 @@ class Solver:
                     break
             else:
                 lo = max(ev, mid)
-                if lo <= hi and self.last_event_achievable:  # a lower bound that is an achievable value: try it directly
-                    ok, hist, ev2 = self.forward(lo)
+                if lo <= hi and achievable:  # a lower bound that is an achievable value: try it directly
+                    ok, bnd, ev2, _ = probe(lo)
                     probes += 1
                     if ok:
-                        bnd = self.backtrack(hist)
                         L = self.bottleneck_of(bnd)
                         if L < hi:
                             hi, best = L, bnd
@@ -343,12 +487,131 @@ class Solver:
         cur[j] = (u, v): the layers [u, v) that the worker of stage j holds today.
         """
         n, p = self.n, self.p
-        ok, R, _ = self.forward(B)
+        Fs = self._homogeneous_fsets(B) if self.homog else None
+        if Fs is None:
+            ok, R, _ = self.forward(B)
+            if not ok:
+                return None
+            Q = self.backward(B)
+            if len(Q) != p + 1:
+                return None
+            Fs = [_intersect(R[k], Q[k]) for k in range(p + 1)]
+        if not all(Fs):
+            return None
+        out = self._dp_bulk(B, Fs, cur)
+        if out is False:
+            out = self._dp_stagewise(B, Fs, cur)
+        return out
+
+    def _homogeneous_fsets(self, B: float) -> list[Intervals] | None:
+        """F_0..F_p for identical stages when no single layer is too big for any stage.
+
+        Then R_k = [k, y_k] with y_k = min(far(y_{k-1}), n-(p-k)) (forward greedy) and
+        Q_k = [x_k, n-(p-k)] with x_k the backward greedy of `_homogeneous_probe`, so
+        F_k = [x_k, y_k]: the same sets the general passes compute, in O(p) after one
+        vectorized far() per position. None: use the general passes; [] : infeasible.
+        """
+        n, p, P, M = self.n, self.p, self.P, self.M
+        cc, mcap = self.ccap(B, 0), self.mcap[0]
+        # stage 0's caps are the smallest: a layer fitting it alone fits every stage
+        if not bool(np.all(P[1:] <= P[:-1] + cc)):
+            return None
+        if mcap != math.inf and not bool(np.all(M[1:] <= M[:-1] + mcap)):
+            return None
+        ok, g, _ = self._homogeneous_probe(B)
         if not ok:
+            return []
+        far = np.searchsorted(P, P + cc, side="right") - 1
+        if mcap != math.inf:
+            far = np.minimum(far, np.searchsorted(M, M + mcap, side="right") - 1)
+        fl = far.tolist()
+        Fs: list[Intervals] = [[(0, 0)]]
+        y = 0
+        for k in range(1, p):
+            lim = n - (p - k)
+            y = fl[y]
+            if y > lim:
+                y = lim
+            if g[k] > y:
+                return []
+            Fs.append([(g[k], y)])
+        Fs.append([(n, n)])  # the probe reached n from F_{p-1}
+        return Fs
+
+    def _dp_bulk(self, B: float, Fs: list[Intervals], cur: Sequence[tuple[int, int]]) -> list[int] | None | bool:
+        """The fewest-moves DP with every K-independent array built at once for all stages.
+
+        Same recurrence, candidates and tie-breaking (the largest a among equal values) as
+        `_dp_stagewise`, so the same layout; the per-stage loop is four numpy calls. Returns
+        False when the candidate table would be too large (then the caller goes stage-wise).
+        """
+        n, p, P, M = self.n, self.p, self.P, self.M
+        C0 = np.array([f[0][0] for f in Fs])
+        C1 = np.array([f[-1][1] for f in Fs])
+        doff = np.concatenate(([0], np.cumsum(C1 - C0 + 1)))
+        sentinel = int(doff[-1])
+        # rows: every position b of F_k, k = 1..p, in order of k
+        ivs = [(k, l, h) for k in range(1, p + 1) for l, h in Fs[k]]
+        iv = np.array(ivs, dtype=np.int64)
+        lens = iv[:, 2] - iv[:, 1] + 1
+        nrows = int(lens.sum())
+        first = np.repeat(np.cumsum(lens) - lens, lens)
+        rb = np.repeat(iv[:, 1], lens) + np.arange(nrows) - first
+        rk = np.repeat(iv[:, 0], lens)
+        A0, A1 = C0[rk - 1], C1[rk - 1]
+        # smallest fitting start for each row (stage j = k-1), clipped to the cover of F_{k-1}
+        # like the stage-wise searchsorted over P[A0..A1] + ccap; stages with equal caps share
+        # one call
+        ccaps = [self.ccap(B, j) for j in range(p)]
+        near = np.empty(nrows, dtype=np.int64)
+        rstart = np.searchsorted(rk, np.arange(1, p + 2), side="left")
+        j0 = 0
+        while j0 < p:
+            j1 = j0 + 1
+            while j1 < p and ccaps[j1] == ccaps[j0] and self.mcap[j1] == self.mcap[j0]:
+                j1 += 1
+            r0, r1 = rstart[j0], rstart[j1]
+            b = rb[r0:r1]
+            nr = np.searchsorted(P + ccaps[j0], P[b], side="left")
+            if self.mcap[j0] != math.inf:
+                nr = np.maximum(nr, np.searchsorted(M + self.mcap[j0], M[b], side="left"))
+            near[r0:r1] = nr
+            j0 = j1
+        lo_a = np.clip(near, A0, A1 + 1)
+        hi_a = np.minimum(rb - 1, A1)
+        W = max(int((hi_a - lo_a + 1).max()), 1)
+        if nrows * W > 4_000_000:
+            return False
+        a = hi_a[:, None] - np.arange(W)[None, :]
+        valid = a >= lo_a[:, None]
+        gidx = np.where(valid, (doff[rk - 1] - A0)[:, None] + a, sentinel)
+        U = np.array([u for u, _ in cur], dtype=np.int64)[rk - 1]
+        V = np.array([v for _, v in cur], dtype=np.int64)[rk - 1]
+        ov = np.maximum(0, np.minimum(rb, V)[:, None] - np.maximum(a, U[:, None])).astype(np.float64)
+        dpos = doff[rk] + rb - C0[rk]
+        Kall = np.full(sentinel + 1, -np.inf)
+        Kall[0] = 0.0  # F_0 = {0}
+        for k in range(1, p + 1):
+            r0, r1 = rstart[k - 1], rstart[k]
+            Kall[dpos[r0:r1]] = (Kall[gidx[r0:r1]] + ov[r0:r1]).max(axis=1)
+        if C0[p] != n or not np.isfinite(Kall[doff[p]]):
             return None
-        Q = self.backward(B)
-        if len(Q) != p + 1:
+        bi = np.argmax(Kall[gidx] + ov, axis=1)
+        par = np.full(sentinel, -1, dtype=np.int64)
+        par[dpos] = a[np.arange(nrows), bi]
+        parl, doffl, C0l = par.tolist(), doff.tolist(), C0.tolist()
+        out = [n]
+        b = n
+        for k in range(p, 0, -1):
+            b = parl[doffl[k] + b - C0l[k]]
+            out.append(b)
+        out.reverse()
+        if out[0] != 0:
             return None
+        return out
+
+    def _dp_stagewise(self, B: float, Fs: list[Intervals], cur: Sequence[tuple[int, int]]) -> list[int] | None:
+        n, p = self.n, self.p
         P, M = self.P, self.M
         # K over the cover range of F_0 = {0}
         A0, A1 = 0, 0
@@ -356,7 +619,7 @@ class Solver:
         parents: list[tuple[int, np.ndarray]] = []
         for k in range(1, p + 1):
             j = k - 1
-            F = _intersect(R[k], Q[k])
+            F = Fs[k]
             if not F:
                 return None
             bs = np.concatenate([np.arange(l, h + 1) for l, h in F])
@@ -463,9 +726,12 @@ def explain_memory(problem: Problem, hist: list[Intervals]) -> str:
             f"stage {p - 1} with capacity {cap[p - 1]:g}; raise capacity[{p - 1}] or add a stage")
 
 
-def optimal(problem: Problem) -> list[int]:
-    """Boundaries of an exact min-bottleneck layout with the fewest moves from current."""
-    sol = Solver(problem)
+def optimal(problem: Problem, *, _general: bool = False) -> list[int]:
+    """Boundaries of an exact min-bottleneck layout with the fewest moves from current.
+
+    `_general=True` (tests only) skips the identical-stage fast path.
+    """
+    sol = Solver(problem, general=_general)
     B, best, _ = sol.min_bottleneck()
     cur = problem.current_layout.boundaries
     if max_load_ok(sol, cur, B):
