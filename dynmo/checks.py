@@ -108,6 +108,21 @@ def validate(cfg: Config, world: int) -> None:
     if lay not in ("uniform", "params"):
         _explicit_layout(p.layout, cfg, stages, "parallel.layout")
     parse_relayouts(cfg, stages)
+    bc = cfg.balance
+    if bc.when not in ("never", "every", "auto"):
+        raise ConfigError(f"unknown balance.when {bc.when!r}; choose never, every or auto")
+    if bc.cost not in ("time", "params"):
+        raise ConfigError(f"unknown balance.cost {bc.cost!r}; choose time or params")
+    if bc.balancer not in ("optimal", "deepspeed", "diffusion-contiguous", "uniform"):
+        raise ConfigError(
+            f"balance.balancer {bc.balancer!r} cannot drive a pipeline; choose optimal, deepspeed, "
+            "diffusion-contiguous or uniform (diffusion breaks contiguity)"
+        )
+    if bc.every < 1 or bc.window < 1:
+        raise ConfigError("balance.every and balance.window must be >= 1")
+    bad = [b for b in cfg.skew.blocks if not 0 <= b < m.n_layers]
+    if bad:
+        raise ConfigError(f"skew.blocks {bad} outside 0..{m.n_layers - 1} (block numbers are 0-based)")
     # data
     for path in cfg.data.paths:
         if not Path(path).exists():

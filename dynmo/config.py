@@ -69,6 +69,32 @@ class ParallelConfig:
 
 
 @dataclass
+class BalanceConfig:
+    """The DynMo controller (dynmo.controller): when and how to rebalance during training."""
+
+    when: str = "never"  # never | every | auto
+    every: int = 10  # with when = "every": steps between rebalances
+    balancer: str = "optimal"  # optimal | deepspeed | diffusion-contiguous | uniform
+    cost: str = "time"  # time (measured per-layer fwd + bwd) | params
+    window: int = 3  # steps in the median forecast of per-layer cost
+    min_gain: float = 0.05  # auto: rebalance only if the bottleneck falls by this fraction or more
+    horizon: int = 50  # auto: steps over which the saving must repay the migration
+
+
+@dataclass
+class SkewConfig:
+    """Injected, known imbalance for tests, demos and benchmarks (configs/skewed.toml).
+
+    From `start_step` on, the listed blocks run their MLP `factor` times (the extra passes are
+    real compute whose result is multiplied by zero, so the model's math is unchanged).
+    """
+
+    blocks: list[int] = field(default_factory=list)  # block numbers, 0-based
+    factor: int = 1
+    start_step: int = 0
+
+
+@dataclass
 class CheckpointConfig:
     every: int = 0  # save every N steps; 0 = only at the end when `final` is set
     final: bool = False
@@ -88,6 +114,8 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    balance: BalanceConfig = field(default_factory=BalanceConfig)
+    skew: SkewConfig = field(default_factory=SkewConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     out: str = "runs/default"

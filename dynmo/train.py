@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from dynmo import checks
 from dynmo.config import Config, ConfigError, load_config, to_toml
+from dynmo.controller import Controller
 from dynmo.data import TokenData, prepare
 from dynmo.layout import Layout, imbalance
 from dynmo.model.gpt import layer_param_counts
@@ -62,7 +63,14 @@ class Trainer:
         if cfg.checkpoint.resume:
             self.start_step = checkpoint.load(self.pipe, Path(cfg.checkpoint.resume))
         self.relayouts = checks.parse_relayouts(cfg, num_stages)
-        self.hooks: list[StepHook] = [self._forced_relayout]
+        b = cfg.balance
+        self.controller = Controller(
+            when=b.when, every=b.every, balancer=b.balancer, window=b.window, min_gain=b.min_gain,
+            horizon=b.horizon, microbatches=cfg.train.microbatches,
+        )
+        self.param_counts = layer_param_counts(cfg.model)
+        # re-layouts first: layers rebuilt by a migration must get this step's model changes too
+        self.hooks: list[StepHook] = [self._forced_relayout, self._rebalance, self._skew]
         self.kinds = [s.kind for s in self.pipe.specs]
 
     # ---- hooks ---------------------------------------------------------------------------
@@ -70,6 +78,54 @@ class Trainer:
         if step not in self.relayouts:
             return []
         return [self.pipe.relayout(self.relayouts[step]).as_event() | {"reason": "forced"}]
+
+    def _skew(self, trainer: "Trainer", step: int) -> list[dict]:
+        sk = self.cfg.skew
+        on = step >= sk.start_step and sk.factor > 1
+        for i, layer in self.pipe.layers.items():
+            spec = self.pipe.specs[i]
+            if spec.kind == "t" and hasattr(layer, "extra_mlp_passes"):
+                layer.extra_mlp_passes = sk.factor - 1 if on and (spec.index - 1) in sk.blocks else 0
+        return [{"type": "skew", "blocks": sk.blocks, "factor": sk.factor}] if on and step == sk.start_step else []
+
+    def _rebalance(self, trainer: "Trainer", step: int) -> list[dict]:
+        """The DynMo loop: rank 0 decides from the forecast cost, every rank migrates."""
+        ctl = self.controller
+        if ctl.when == "never":
+            return []
+        t0 = time.perf_counter()
+        decision = None
+        if self.ctx.is_logger:
+            layer_bytes = [12 * c for c in self.param_counts]  # fp32 weights + AdamW moments
+            decision = ctl.decide(step, self.pipe.layout, layer_bytes, self.cfg.train.steps - step)
+        obj = [None if decision is None else (list(decision.layout.boundaries), decision)]
+        dist.broadcast_object_list(obj, src=0, group=self.ctx.active_group)
+        decide_s = time.perf_counter() - t0
+        if obj[0] is None:
+            return []
+        boundaries, decision = obj[0]
+        rep = self.pipe.relayout(Layout(tuple(boundaries)))
+        ctl.history.clear()  # costs measured under the old layout include its stage effects
+        event = rep.as_event() | {
+            "reason": f"balance.when={ctl.when}",
+            "balancer": ctl.balancer,
+            "current_bottleneck_s": decision.current_bottleneck,
+            "predicted_bottleneck_s": decision.predicted_bottleneck,
+            "predicted_gain_s": decision.predicted_gain_s,
+            "predicted_migration_s": decision.predicted_cost_s,
+            "decide_s": decide_s,
+        }
+        return [event]
+
+    def _observe(self, rec: dict) -> None:
+        if self.cfg.balance.cost == "params":
+            costs = [float(c) for c in self.param_counts]
+        else:
+            costs = [f + b for f, b in zip(rec["layer_fwd_s"], rec["layer_bwd_s"])]
+        self.controller.observe(costs)
+        for e in rec["events"]:
+            if e["type"] == "migration":
+                self.controller.observe_migration(e["bytes"], e["seconds"])
 
     # ---- batches ---------------------------------------------------------------------------
     def _local_batch(self, step: int, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,6 +158,7 @@ class Trainer:
             x, y = self._local_batch(step)
             res = self.pipe.train_step(step, x, y)
             rec = self._record(step, res, events)
+            self._observe(rec)
             if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0:
                 rec["val_loss"] = self.validate()
             losses.append(rec["loss"])

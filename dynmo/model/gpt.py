@@ -66,11 +66,17 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg)
+        # Injected imbalance (SkewConfig): extra MLP passes whose result is multiplied by zero.
+        # Real forward and backward work; y + 0 * z == y, so the math is unchanged.
+        self.extra_mlp_passes = 0
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor):
         x = x + self.attn(self.ln1(x))
-        x = x + self.mlp(self.ln2(x))
-        return x, mask
+        h = self.ln2(x)
+        y = self.mlp(h)
+        for _ in range(self.extra_mlp_passes):
+            y = y + 0.0 * self.mlp(h)
+        return x + y, mask
 
 
 class Embedding(nn.Module):

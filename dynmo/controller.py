@@ -1,0 +1,105 @@
+"""When and how to rebalance: the DynMo loop's decisions (paper Algorithm 1, automated). Pure.
+
+The runtime feeds the controller each step's measured per-layer cost; the controller answers
+with a new layout or nothing. No torch here, so the simulator can replay the same policy.
+
+Forecast: per-layer cost is the median of the last `window` steps. A median ignores one-step
+spikes (timing noise, a GC pause) and follows a real step change after ceil(window / 2)
+steps (2 with the default window of 3), which is what per-step dynamism (MoE, MoD) needs.
+
+Triggers (`when`):
+  never    keep the initial layout;
+  every    rebalance every `every` steps (the paper's fixed frequency);
+  auto     rebalance when the predicted saving over the next `horizon` steps exceeds the
+           predicted migration cost, and the bottleneck falls by at least `min_gain`
+           (a hysteresis that keeps noise from moving layers back and forth).
+The predicted saving of one step is (bottleneck_now − bottleneck_new) × slots, where slots =
+microbatches + stages − 1 is how many bottleneck-stage slots a 1F1B/GPipe step waits through.
+The migration cost model is fixed + bytes / bandwidth, re-fitted from every migration measured.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from statistics import median
+
+from dynmo.balance import Problem, balance
+from dynmo.layout import Layout
+
+WHEN = ("never", "every", "auto")
+
+
+@dataclass
+class Decision:
+    layout: Layout
+    predicted_bottleneck: float  # seconds per microbatch on the slowest stage, new layout
+    current_bottleneck: float  # same, current layout, under the same forecast
+    predicted_gain_s: float  # over the horizon
+    predicted_cost_s: float  # migration
+    reason: str
+    decide_s: float = 0.0
+
+
+@dataclass
+class Controller:
+    when: str = "never"
+    every: int = 10
+    balancer: str = "optimal"
+    window: int = 3
+    min_gain: float = 0.05
+    horizon: int = 50
+    microbatches: int = 4
+    # migration cost model: seconds = fixed_s + bytes / bandwidth
+    fixed_s: float = 0.01  # prior until the first migration is measured (~10 ms seen here)
+    bandwidth: float = 1e9
+    history: deque = field(default_factory=deque)
+
+    def __post_init__(self) -> None:
+        if self.when not in WHEN:
+            raise ValueError(f"unknown balance.when {self.when!r}; choose one of {', '.join(WHEN)}")
+        if self.window < 1:
+            raise ValueError("balance.window must be >= 1")
+        self.history = deque(maxlen=self.window)
+
+    def observe(self, layer_costs: list[float]) -> None:
+        self.history.append(list(layer_costs))
+
+    def forecast(self) -> list[float] | None:
+        if not self.history:
+            return None
+        return [median(col) for col in zip(*self.history)]
+
+    def observe_migration(self, nbytes: int, seconds: float) -> None:
+        """Refit the cost model: keep the fixed part, fit bandwidth to what was seen."""
+        if nbytes > 0 and seconds > self.fixed_s:
+            self.bandwidth = nbytes / (seconds - self.fixed_s)
+        elif seconds > 0:
+            self.fixed_s = seconds
+
+    def migration_cost(self, layer_bytes: list[int], current: Layout, new: Layout) -> float:
+        moved = current.moves_to(new)
+        return self.fixed_s + sum(layer_bytes[m.layer] for m in moved) / self.bandwidth if moved else 0.0
+
+    def decide(self, step: int, current: Layout, layer_bytes: list[int], steps_left: int) -> Decision | None:
+        if self.when == "never":
+            return None
+        if self.when == "every" and (step == 0 or step % self.every):
+            return None
+        costs = self.forecast()
+        if costs is None or len(self.history) < self.window and self.when == "auto":
+            return None
+        result = balance(Problem(costs=costs, stages=current.num_stages, current=list(current.boundaries)), self.balancer)
+        if result.boundaries is None:
+            raise ValueError(f"balancer {self.balancer!r} gave a non-contiguous layout; pipelines need a contiguous one")
+        new = Layout(tuple(result.boundaries))
+        now = max(current.stage_loads(costs))
+        slots = self.microbatches + current.num_stages - 1
+        gain = (now - result.bottleneck) * slots * max(0, min(self.horizon, steps_left))
+        cost = self.migration_cost(layer_bytes, current, new)
+        decision = Decision(new, result.bottleneck, now, gain, cost, self.when)
+        if new == current:
+            return None
+        if self.when == "auto" and (now - result.bottleneck < self.min_gain * now or gain <= cost):
+            return None
+        return decision

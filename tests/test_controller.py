@@ -1,0 +1,79 @@
+"""The controller's policy (pure) and the DynMo loop end to end on the skewed model."""
+
+import json
+import random
+from statistics import median
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from dynmo.balance import Problem, balance
+from dynmo.controller import Controller
+from dynmo.layout import Layout
+from tests.conftest import metrics, run_train
+
+
+def test_median_forecast_follows_a_step_change_within_two_steps():
+    c = Controller(when="auto", window=3, horizon=100, fixed_s=0.0)
+    lay = Layout((0, 3, 6))
+    for _ in range(5):
+        c.observe([1.0] * 6)
+        assert c.decide(10, lay, [1] * 6, 100) is None  # balanced: nothing to gain
+    c.observe([1.0, 4.0, 4.0, 1.0, 1.0, 1.0])
+    assert c.decide(10, lay, [1] * 6, 100) is None  # one step of change: could be a spike
+    c.observe([1.0, 4.0, 4.0, 1.0, 1.0, 1.0])
+    d = c.decide(10, lay, [1] * 6, 100)
+    assert d is not None and d.layout == Layout((0, 2, 6)) and d.predicted_bottleneck == 7.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(2, 6), st.integers(6, 30), st.floats(0.0, 0.03), st.integers(0, 2**31))
+def test_auto_ignores_noise(stages, n, noise, seed):
+    """Balanced costs with up to ±3% noise never beat the 5% hysteresis."""
+    rng = random.Random(seed)
+    layout = Layout.uniform(n, stages)
+    if n % stages:
+        return  # uniform is only balanced when stages divide the layers
+    c = Controller(when="auto", window=3, min_gain=0.05, fixed_s=0.0)
+    for step in range(20):
+        c.observe([1.0 + rng.uniform(-noise, noise) for _ in range(n)])
+        assert c.decide(step, layout, [0] * n, 100) is None
+
+
+def test_auto_waits_when_migration_costs_more_than_it_saves():
+    # layout (0,3,4) has loads [4, 1]; (0,2,4) has [3, 2]: saves 1 s x 5 slots x 10 steps = 50 s
+    lay = Layout((0, 3, 4))
+    c = Controller(when="auto", window=1, horizon=10, fixed_s=5.0)
+    c.observe([1.0, 2.0, 1.0, 1.0])
+    d = c.decide(0, lay, [0] * 4, 10)
+    assert d is not None and d.layout == Layout((0, 2, 4)) and d.predicted_gain_s == pytest.approx(50.0)
+    c = Controller(when="auto", window=1, horizon=10, fixed_s=100.0)  # a 100 s migration is not worth it
+    c.observe([1.0, 2.0, 1.0, 1.0])
+    assert c.decide(0, lay, [0] * 4, 10) is None
+
+
+def test_every_n_steps():
+    c = Controller(when="every", every=4)
+    c.observe([1.0, 3.0, 1.0, 1.0])
+    lay = Layout((0, 3, 4))  # loads [5, 1]; (0, 2, 4) gives [4, 2]
+    assert [s for s in range(1, 13) if c.decide(s, lay, [0] * 4, 100)] == [4, 8, 12]
+
+
+@pytest.mark.dist
+def test_skewed_model_is_rebalanced_within_two_steps_and_trains_the_same(tmp_path):
+    common = ["--steps", "20", "--skew.blocks", "0;1", "--skew.factor", "8", "--skew.start_step", "3",
+              "--parallel.layout", "0,3,6"]
+    run_train(tmp_path / "static", *common)
+    run_train(tmp_path / "auto", *common, "--balance.when", "auto")
+    static, auto = metrics(tmp_path / "static"), metrics(tmp_path / "auto")
+    assert [r["loss"] for r in auto] == [r["loss"] for r in static]  # bitwise
+    moves = [r for r in auto if any(e["type"] == "migration" for e in r["events"])]
+    assert moves and 3 < moves[0]["step"] <= 3 + 2
+    # the chosen layout is the optimum of the forecast (median of the last 3 steps' costs)
+    first = moves[0]["step"]
+    window = [[f + b for f, b in zip(r["layer_fwd_s"], r["layer_bwd_s"])] for r in auto[first - 3 : first]]
+    forecast = [median(col) for col in zip(*window)]
+    best = balance(Problem(costs=forecast, stages=2, current=[0, 3, 6]), "optimal")
+    assert moves[0]["layout"] == best.boundaries
+    ev = next(e for e in moves[0]["events"] if e["type"] == "migration")
+    assert ev["predicted_bottleneck_s"] < ev["current_bottleneck_s"]
