@@ -12,6 +12,8 @@ import argparse
 import json
 import sys
 
+from dynmo.jsonio import read_json
+
 from . import BALANCERS, REPACKERS, BalanceError, Problem, balance, repack
 
 
@@ -30,16 +32,9 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        if args.input == "-":
-            data = json.load(sys.stdin)
-        else:
-            with open(args.input) as f:
-                data = json.load(f)
-    except OSError as e:
-        print(f"dynmo balance: cannot read {args.input}: {e.strerror}", file=sys.stderr)
-        return 1
-    except json.JSONDecodeError as e:
-        print(f"dynmo balance: {args.input} is not valid JSON: {e}", file=sys.stderr)
+        data = read_json(args.input)
+    except ValueError as e:
+        print(f"dynmo balance: {e}", file=sys.stderr)
         return 1
     try:
         problem = Problem.from_dict(data)

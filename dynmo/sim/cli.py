@@ -17,6 +17,8 @@ import argparse
 import json
 import sys
 
+from dynmo.jsonio import read_json
+
 from dynmo.sim.engine import ALLREDUCE_MODES, P2P_MODES, SimInputError, simulate
 from dynmo.sim.schedules import SCHEDULES, ScheduleError
 
@@ -77,16 +79,9 @@ def run(spec: dict, trace: bool = False) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        if args.input == "-":
-            spec = json.load(sys.stdin)
-        else:
-            with open(args.input) as f:
-                spec = json.load(f)
-    except OSError as e:
-        print(f"dynmo simulate: cannot read {args.input}: {e.strerror}", file=sys.stderr)
-        return 2
-    except json.JSONDecodeError as e:
-        print(f"dynmo simulate: {args.input} is not valid JSON: {e}", file=sys.stderr)
+        spec = read_json(args.input)
+    except ValueError as e:
+        print(f"dynmo simulate: {e}", file=sys.stderr)
         return 2
     if isinstance(spec, dict):
         for key, val in (("schedule", args.schedule), ("microbatches", args.microbatches),
