@@ -42,12 +42,12 @@ def parse_relayouts(cfg: Config, num_stages: int) -> dict[int, Layout]:
             step = int(step_s)
         except ValueError:
             raise ConfigError(f"parallel.relayout entry {entry!r}: step {step_s!r} is not an integer") from None
-        layout = _explicit_layout(lay, cfg, num_stages, f"parallel.relayout entry {entry!r}")
+        layout = explicit_layout(lay, cfg, num_stages, f"parallel.relayout entry {entry!r}")
         out[step] = layout
     return out
 
 
-def _explicit_layout(text: str, cfg: Config, num_stages: int, where: str) -> Layout:
+def explicit_layout(text: str, cfg: Config, num_stages: int, where: str) -> Layout:
     n = num_layers(cfg)
     try:
         layout = Layout.parse(text, n)
@@ -106,7 +106,7 @@ def validate(cfg: Config, world: int) -> None:
     # initial layout
     lay = p.layout.strip().lower()
     if lay not in ("uniform", "params"):
-        _explicit_layout(p.layout, cfg, stages, "parallel.layout")
+        explicit_layout(p.layout, cfg, stages, "parallel.layout")
     parse_relayouts(cfg, stages)
     bc = cfg.balance
     if bc.when not in ("never", "every", "auto"):

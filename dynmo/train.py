@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -46,7 +47,7 @@ def initial_layout(cfg: Config, num_stages: int) -> Layout:
 
         counts = layer_param_counts(cfg.model)
         return Layout(tuple(balance(Problem(costs=counts, stages=num_stages), "deepspeed").boundaries))
-    return checks._explicit_layout(cfg.parallel.layout, cfg, num_stages, "parallel.layout")
+    return checks.explicit_layout(cfg.parallel.layout, cfg, num_stages, "parallel.layout")
 
 
 class Trainer:
@@ -260,8 +261,6 @@ def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     config_path, overrides = parse_args(argv)
-    import os
-
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         cfg = load_config(config_path, overrides)

@@ -42,7 +42,7 @@ def save(pipe: Pipeline, path: Path, step: int, cfg: Config) -> None:
     flag = torch.tensor([1.0 if has_optim else 0.0])
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     # Data-parallel replicas hold identical copies; DCP writes each key once.
-    dcp.save(_state_dict(pipe, with_optim=False) | _state_dict(pipe, with_optim=True), checkpoint_id=str(path))
+    dcp.save(_state_dict(pipe, with_optim=True), checkpoint_id=str(path))
     if dist.get_rank() == 0:
         meta = {
             "step": step,
@@ -62,7 +62,6 @@ def load(pipe: Pipeline, path: Path) -> int:
     meta = json.loads((path / "dynmo.json").read_text())
     if meta["layer_names"] != [s.name for s in pipe.specs]:
         raise ValueError(f"checkpoint {path} has layers {meta['layer_names']}, the model has {[s.name for s in pipe.specs]}")
-    sd = _state_dict(pipe, with_optim=False)
     if meta["has_optimizer_state"]:
         # AdamW state appears at the first step; allocate it so DCP can load in place.
         for layer in pipe.layers.values():
@@ -72,10 +71,7 @@ def load(pipe: Pipeline, path: Path) -> int:
                     "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
                     "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
                 }
-        sd |= _state_dict(pipe, with_optim=True)
+    sd = _state_dict(pipe, with_optim=meta["has_optimizer_state"])
+    # state_dict() tensors share storage with the parameters: DCP loads into them in place.
     dcp.load(sd, checkpoint_id=str(path))
-    # Weights were loaded into copies made by state_dict(); write them back.
-    for i, layer in pipe.layers.items():
-        name = pipe.specs[i].name
-        layer.load_state_dict({k[len(name) + 1 :]: v for k, v in sd.items() if k.startswith(name + ".")})
     return int(meta["step"])

@@ -33,7 +33,6 @@ class StageModule(nn.Module):
         self.bwd_s = [0.0] * len(indices)
         self.wgrad_s = 0.0
         self._mark = 0.0
-        self._handles: list = []
 
     def reset_timers(self) -> None:
         self.fwd_s = [0.0] * len(self.indices)
@@ -69,7 +68,6 @@ class StageModule(nn.Module):
             handle.remove()  # one-shot: receive buffers are reused across microbatches
 
         handle = tensor.register_hook(fire)
-        self._handles.append(handle)
 
     def begin_backward(self) -> None:
         self._mark = time.perf_counter()
@@ -77,7 +75,6 @@ class StageModule(nn.Module):
     def end_backward(self) -> None:
         # Whatever ran after the last boundary hook belongs to the first local layer.
         self.bwd_s[0] += time.perf_counter() - self._mark
-        self._handles.clear()
 
     def layer_times(self) -> dict[int, tuple[float, float]]:
         """{global layer index: (forward s, backward s)} summed over the step's microbatches."""
