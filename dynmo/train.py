@@ -273,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     ctx = rdist.init(cfg.parallel.dp, cfg.parallel.pp, cfg.parallel.backend)
     try:
         Trainer(cfg, ctx).run()
+        # Meet before tearing down: a rank that destroys its gloo groups while a peer still has
+        # traffic in flight can abort ("terminate called without an active exception").
+        dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
