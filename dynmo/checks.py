@@ -109,8 +109,8 @@ def validate(cfg: Config, world: int) -> None:
         explicit_layout(p.layout, cfg, stages, "parallel.layout")
     parse_relayouts(cfg, stages)
     bc = cfg.balance
-    if bc.when not in ("never", "every", "auto"):
-        raise ConfigError(f"unknown balance.when {bc.when!r}; choose never, every or auto")
+    if bc.when not in ("never", "every", "dynamism", "auto"):
+        raise ConfigError(f"unknown balance.when {bc.when!r}; choose never, every, dynamism or auto")
     if bc.cost not in ("time", "params"):
         raise ConfigError(f"unknown balance.cost {bc.cost!r}; choose time or params")
     if bc.balancer not in ("optimal", "deepspeed", "diffusion-contiguous", "uniform"):

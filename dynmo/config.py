@@ -20,6 +20,35 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class MoEConfig:
+    """`model.block = "moe"`: Mixtral-style token-choice MoE MLP (dynmo/dynamics/moe.py)."""
+
+    num_experts: int = 8
+    top_k: int = 2
+    capacity_factor: float = 0.0  # 0 = dropless; else per-expert capacity ceil(cf * tokens * top_k / num_experts)
+    aux_loss_coef: float = 0.01  # weight of the load-balancing loss
+    norm_topk_prob: bool = True  # renormalise the top-k probabilities (Mixtral); false = Switch-style raw probs
+
+
+@dataclass
+class HashAttnConfig:
+    """`model.block = "hashattn"`: hash-based dynamic sparse attention (dynmo/dynamics/hashattn.py)."""
+
+    n_buckets: int = 4  # LSH buckets per head; 1 = dense causal attention
+    chunk: int = 16  # tokens per tile of the sorted sequence: the unit of skipped work; must divide seq_len
+
+
+@dataclass
+class MoDConfig:
+    """`model.block = "mod"`: Mixture of Depths (dynmo/dynamics/mod.py)."""
+
+    capacity: float = 0.125  # fraction of each sequence's tokens that go through a block (paper: 12.5%)
+    capacities: list[float] = field(default_factory=list)  # per block 0..n_layers-1; empty = `capacity` everywhere
+    predictor_loss_coef: float = 0.01  # weight of the causal predictor's BCE loss
+    routing: str = "topk"  # topk (router top-k, training) | predictor (causal, by the predictor's decision)
+
+
+@dataclass
 class ModelConfig:
     vocab_size: int = 2048  # BPE vocabulary trained on the data at first use
     seq_len: int = 128
@@ -28,7 +57,10 @@ class ModelConfig:
     n_layers: int = 8  # transformer blocks; the pipeline moves n_layers + 2 layers (E, t..., L)
     mlp_ratio: int = 4
     dropout: float = 0.0  # 0 keeps runs bitwise reproducible across layouts
-    block: str = "dense"  # block variant (dynmo.model.gpt.BLOCKS): dense, or a dynamic model's
+    block: str = "dense"  # block variant (dynmo.model.gpt.BLOCKS): dense | moe | hashattn | mod
+    moe: MoEConfig = field(default_factory=MoEConfig)  # [model.moe]
+    hashattn: HashAttnConfig = field(default_factory=HashAttnConfig)  # [model.hashattn]
+    mod: MoDConfig = field(default_factory=MoDConfig)  # [model.mod]
 
 
 @dataclass
@@ -79,6 +111,13 @@ class BalanceConfig:
     window: int = 3  # steps in the median forecast of per-layer cost
     min_gain: float = 0.05  # auto: rebalance only if the bottleneck falls by this fraction or more
     horizon: int = 50  # auto: steps over which the saving must repay the migration
+    # Re-packing: move all layers onto fewer pipeline ranks when the slowest stage would stay
+    # within (1 + repack_tolerance) of the best all-rank layout; released ranks exit.
+    repack: bool = False
+    repack_tolerance: float = 0.05
+    retune_microbatches: bool = False  # after re-packing, pick microbatches for the shorter pipeline
+    memory_gb: float = 0.0  # per-rank memory cap the balancer respects; 0 = no cap
+    profile: bool = True  # per-layer timing hooks (needed by cost = "time"); false measures their overhead
 
 
 @dataclass
@@ -92,6 +131,41 @@ class SkewConfig:
     blocks: list[int] = field(default_factory=list)  # block numbers, 0-based
     factor: int = 1
     start_step: int = 0
+
+
+@dataclass
+class PruneConfig:
+    """Gradual global magnitude pruning (dynmo/dynamics/prune.py), cubic schedule of Zhu & Gupta."""
+
+    enabled: bool = False
+    start_step: int = 10  # t0: first pruning step
+    every: int = 5  # delta t: steps between pruning steps
+    times: int = 3  # n: number of pruning steps
+    initial_sparsity: float = 0.0  # S_i
+    final_sparsity: float = 0.9  # S_f
+    structured: bool = False  # remove whole MLP rows/columns (dense matrices shrink) instead of single weights
+    kernel: str = "auto"  # auto (measure per layer) | dense (masked dense) | csr (torch sparse CSR)
+
+
+@dataclass
+class FreezeConfig:
+    """Egeria-style layer freezing (dynmo/dynamics/freeze.py)."""
+
+    enabled: bool = False
+    start_step: int = 10  # no block freezes before this step
+    every: int = 5  # steps between convergence checks
+    tolerance: float = 0.05  # a block whose progress metric changes less than this is converged
+    max_frozen: int = -1  # most blocks frozen at once; -1 = all but the last block
+
+
+@dataclass
+class EarlyExitConfig:
+    """CALM-style early exit of tokens (dynmo/dynamics/earlyexit.py)."""
+
+    enabled: bool = False
+    first_block: int = 2  # blocks from this one (0-based) on may let tokens exit
+    threshold: float = 0.9  # per-token confidence at or above which a token exits
+    start_step: int = 0  # no token exits before this step
 
 
 @dataclass
@@ -116,6 +190,9 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     balance: BalanceConfig = field(default_factory=BalanceConfig)
     skew: SkewConfig = field(default_factory=SkewConfig)
+    prune: PruneConfig = field(default_factory=PruneConfig)
+    freeze: FreezeConfig = field(default_factory=FreezeConfig)
+    early_exit: EarlyExitConfig = field(default_factory=EarlyExitConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     out: str = "runs/default"
@@ -170,20 +247,28 @@ def _set(cfg: Config, dotted: str, value) -> None:
     sec, name = dotted.split(".", 1)
     if sec not in sections:
         raise ConfigError(f"unknown config section {sec!r}; known: {sorted(sections)}")
-    obj = getattr(cfg, sec)
-    hints = typing.get_type_hints(type(obj))
-    if name not in hints:
-        raise ConfigError(f"unknown field {sec}.{name}; {sec} has: {sorted(hints)}")
-    setattr(obj, name, _coerce(value, hints[name], f"{sec}.{name}"))
+    obj, where = getattr(cfg, sec), sec
+    while True:
+        hints = typing.get_type_hints(type(obj))
+        head, _, rest = name.partition(".")
+        if head not in hints:
+            raise ConfigError(f"unknown field {where}.{name}; {where} has: {sorted(hints)}")
+        if not dataclasses.is_dataclass(hints[head]):
+            if rest:
+                raise ConfigError(f"unknown field {where}.{name}; {where}.{head} is a value, not a section")
+            setattr(obj, head, _coerce(value, hints[head], f"{where}.{head}"))
+            return
+        if not rest:
+            raise ConfigError(f"{where}.{head} is a section; set its fields, e.g. {where}.{head}.<field>")
+        obj, where, name = getattr(obj, head), f"{where}.{head}", rest
 
 
-def apply_dict(cfg: Config, data: dict, source: str = "config") -> None:
+def apply_dict(cfg: Config, data: dict, prefix: str = "") -> None:
     for key, val in data.items():
         if isinstance(val, dict):
-            for sub, v in val.items():
-                _set(cfg, f"{key}.{sub}", v)
+            apply_dict(cfg, val, f"{prefix}{key}.")
         else:
-            _set(cfg, key, val)
+            _set(cfg, f"{prefix}{key}", val)
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
@@ -216,7 +301,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             data = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{p}: invalid TOML: {e}") from None
-        apply_dict(cfg, data, str(p))
+        apply_dict(cfg, data)
     for key, val in parse_overrides(overrides or []):
         _set(cfg, key, val)
     return cfg
@@ -234,9 +319,17 @@ def to_toml(cfg: Config) -> str:
             return "[" + ", ".join(fmt(x) for x in v) + "]"
         return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
+    lines: list[str] = []
+
+    def table(name: str, fields: dict) -> None:
+        lines.append(f"\n[{name}]")
+        lines.extend(f"{k} = {fmt(v)}" for k, v in fields.items() if not isinstance(v, dict))
+        for k, v in fields.items():
+            if isinstance(v, dict):
+                table(f"{name}.{k}", v)
+
     d = cfg.to_dict()
-    lines = [f"out = {fmt(d.pop('out'))}"]
+    lines.append(f"out = {fmt(d.pop('out'))}")
     for sec, fields in d.items():
-        lines.append(f"\n[{sec}]")
-        lines += [f"{k} = {fmt(v)}" for k, v in fields.items()]
+        table(sec, fields)
     return "\n".join(lines) + "\n"

@@ -10,6 +10,9 @@ steps (2 with the default window of 3), which is what per-step dynamism (MoE, Mo
 Triggers (`when`):
   never    keep the initial layout;
   every    rebalance every `every` steps (the paper's fixed frequency);
+  dynamism rebalance once after each step that changed the model (a pruning step, a block
+           frozen, the skew switched on: events of type "dynamism"), from the cost measured
+           on the step after the change (the paper's Algorithm 1: profile, then rebalance);
   auto     rebalance when the predicted saving over the next `horizon` steps exceeds the
            predicted migration cost, and the bottleneck falls by at least `min_gain`
            (a hysteresis that keeps noise from moving layers back and forth).
@@ -27,7 +30,7 @@ from statistics import median
 from dynmo.balance import Problem, balance
 from dynmo.layout import Layout
 
-WHEN = ("never", "every", "auto")
+WHEN = ("never", "every", "dynamism", "auto")
 
 
 @dataclass
@@ -54,6 +57,7 @@ class Controller:
     fixed_s: float = 0.01  # prior until the first migration is measured (~10 ms seen here)
     bandwidth: float = 1e9
     history: deque = field(default_factory=deque)
+    pending: bool = False  # when = "dynamism": the model changed and no rebalance followed yet
 
     def __post_init__(self) -> None:
         if self.when not in WHEN:
@@ -61,6 +65,12 @@ class Controller:
         if self.window < 1:
             raise ValueError("balance.window must be >= 1")
         self.history = deque(maxlen=self.window)
+
+    def dynamism(self) -> None:
+        """The model's work changed this step: costs from before it no longer apply."""
+        if self.when == "dynamism":
+            self.history.clear()
+            self.pending = True
 
     def observe(self, layer_costs: list[float]) -> None:
         self.history.append(list(layer_costs))
@@ -86,6 +96,10 @@ class Controller:
             return None
         if self.when == "every" and (step == 0 or step % self.every):
             return None
+        if self.when == "dynamism":
+            if not self.pending or not self.history:
+                return None
+            self.pending = False
         costs = self.forecast()
         if costs is None or len(self.history) < self.window and self.when == "auto":
             return None

@@ -20,6 +20,7 @@ from dynmo import checks
 from dynmo.config import Config, ConfigError, load_config, to_toml
 from dynmo.controller import Controller
 from dynmo.data import TokenData, prepare
+from dynmo.dynamics.case import CASES, Case, merge_layer_stats
 from dynmo.layout import Layout, imbalance
 from dynmo.model.gpt import layer_param_counts
 from dynmo.runtime import checkpoint
@@ -70,8 +71,11 @@ class Trainer:
             horizon=b.horizon, microbatches=cfg.train.microbatches,
         )
         self.param_counts = layer_param_counts(cfg.model)
+        # dynamic-model cases (dynmo.dynamics.case): same list, same order on every rank
+        self.cases: list[Case] = [cls(self) for cls in CASES.values() if cls.enabled(cfg)]
+        self.pipe.layer_extras = self.cases  # their per-layer state travels with migrating layers
         # re-layouts first: layers rebuilt by a migration must get this step's model changes too
-        self.hooks: list[StepHook] = [self._forced_relayout, self._rebalance, self._skew]
+        self.hooks: list[StepHook] = [self._forced_relayout, self._rebalance, self._skew, self._cases_before]
         self.kinds = [s.kind for s in self.pipe.specs]
 
     # ---- hooks ---------------------------------------------------------------------------
@@ -87,7 +91,12 @@ class Trainer:
             spec = self.pipe.specs[i]
             if spec.kind == "t" and hasattr(layer, "extra_mlp_passes"):
                 layer.extra_mlp_passes = sk.factor - 1 if on and (spec.index - 1) in sk.blocks else 0
-        return [{"type": "skew", "blocks": sk.blocks, "factor": sk.factor}] if on and step == sk.start_step else []
+        if on and step == sk.start_step:
+            return [{"type": "dynamism", "case": "skew", "blocks": sk.blocks, "factor": sk.factor}]
+        return []
+
+    def _cases_before(self, trainer: "Trainer", step: int) -> list[dict]:
+        return [e | {"case": c.name} if "case" not in e else e for c in self.cases for e in c.before_step(step)]
 
     def _rebalance(self, trainer: "Trainer", step: int) -> list[dict]:
         """The DynMo loop: rank 0 decides from the forecast cost, every rank migrates."""
@@ -123,6 +132,8 @@ class Trainer:
             costs = [float(c) for c in self.param_counts]
         else:
             costs = [f + b for f, b in zip(rec["layer_fwd_s"], rec["layer_bwd_s"])]
+        if any(e["type"] == "dynamism" for e in rec["events"]):
+            self.controller.dynamism()
         self.controller.observe(costs)
         for e in rec["events"]:
             if e["type"] == "migration":
@@ -158,6 +169,8 @@ class Trainer:
                 events += hook(self, step) or []
             x, y = self._local_batch(step)
             res = self.pipe.train_step(step, x, y)
+            for c in self.cases:
+                events += [e | {"case": c.name} if "case" not in e else e for e in c.after_step(step, res)]
             rec = self._record(step, res, events)
             self._observe(rec)
             if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0:
@@ -229,7 +242,15 @@ class Trainer:
         per_mb = dp * self.cfg.train.microbatches  # each layer runs once per microbatch per replica
         layer_fwd = (allv[:, L : L + n].sum(0) / per_mb).tolist()
         layer_bwd = (allv[:, L + n : L + 2 * n].sum(0) / per_mb).tolist()
-        return {
+        stats: dict[str, list] = {}
+        if self.cases:
+            parts: list = [None] * self.ctx.world
+            mine: dict = {}
+            for c in self.cases:
+                mine.update(c.layer_stats())
+            dist.all_gather_object(parts, mine, group=self.ctx.active_group)
+            stats = merge_layer_stats(parts, n)
+        return stats | {
             "step": step,
             "loss": loss,
             "tokens_per_s": tokens / step_s if step_s > 0 else 0.0,

@@ -31,3 +31,18 @@ def test_round_trip_through_toml(tmp_path):
 def test_errors_name_the_problem(args, msg):
     with pytest.raises(ConfigError, match=msg):
         load_config(None, args)
+
+
+def test_nested_sections(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('[model]\nblock = "moe"\n[model.moe]\nnum_experts = 4\n[prune]\nenabled = true\n')
+    cfg = load_config(f, ["--model.moe.top_k", "1", "--model.mod.capacities", "0.5;0.25"])
+    assert cfg.model.moe.num_experts == 4 and cfg.model.moe.top_k == 1 and cfg.prune.enabled
+    assert cfg.model.mod.capacities == [0.5, 0.25]
+    g = tmp_path / "d.toml"
+    g.write_text(to_toml(cfg))
+    assert load_config(g).to_dict() == cfg.to_dict()
+    with pytest.raises(ConfigError, match="model.moe is a section"):
+        load_config(None, ["--model.moe", "3"])
+    with pytest.raises(ConfigError, match="unknown field model.moe.experts"):
+        load_config(None, ["--model.moe.experts", "3"])

@@ -9,7 +9,10 @@ Importing this package registers the three variants in `dynmo.model.gpt.BLOCKS`,
 `model.block = "moe"` (etc.) builds them. Every variant takes `(cfg: ModelConfig)` and maps
 `(x, mask) -> (x, mask)` with the shapes of `Block`.
 
-Two things all of them share live here:
+The plug-in interface for cases that change the model during training (pruning, freezing,
+early exit, and the statistics of the blocks above) is `dynmo.dynamics.case.Case`.
+
+Two things all the blocks share live here:
 
 - `attach_aux_loss`: a block's auxiliary loss (MoE balance loss, MoD predictor loss) cannot be
   added to the loss, which exists only on the last pipeline stage. The block instead returns
@@ -78,5 +81,5 @@ class StepStats:
         return self.sums[key] / self.forwards if self.forwards else 0.0
 
 
-# Register the block variants (after the helpers above: the modules import them).
-from dynmo.dynamics import hashattn, mod, moe  # noqa: E402,F401
+# Register the block variants and the cases (after the helpers above: the modules import them).
+from dynmo.dynamics import case, hashattn, mod, moe  # noqa: E402,F401

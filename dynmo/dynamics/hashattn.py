@@ -39,15 +39,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from dynmo.config import ModelConfig
+from dynmo.config import HashAttnConfig, ModelConfig
+
+HashAttnOptions = HashAttnConfig  # options live in the config ([model.hashattn])
 from dynmo.dynamics import StepStats
 from dynmo.model.gpt import MLP, CausalSelfAttention, register_block
-
-
-@dataclass
-class HashAttnOptions:
-    n_buckets: int = 4  # LSH buckets per head; 1 = dense causal attention
-    chunk: int = 16  # tokens per tile of the sorted sequence: the unit of skipped work; must divide seq_len
 
 
 class HashSparseAttention(CausalSelfAttention):
@@ -122,7 +118,7 @@ class HashAttnBlock(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.opts = getattr(cfg, "hashattn", None) or HashAttnOptions()
+        self.opts = cfg.hashattn
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.attn = HashSparseAttention(cfg, self.opts)
         self.ln2 = nn.LayerNorm(cfg.d_model)

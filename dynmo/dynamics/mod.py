@@ -42,17 +42,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dynmo.config import ModelConfig
+from dynmo.config import MoDConfig, ModelConfig
+
+MoDOptions = MoDConfig  # options live in the config ([model.mod])
 from dynmo.dynamics import StepStats, attach_aux_loss
 from dynmo.model.gpt import MLP, CausalSelfAttention, register_block
-
-
-@dataclass
-class MoDOptions:
-    capacity: float = 0.125  # fraction of each sequence's tokens that go through a block (paper: 12.5%)
-    capacities: list[float] = field(default_factory=list)  # per block 0..n_layers-1; empty = `capacity` everywhere
-    predictor_loss_coef: float = 0.01  # weight of the causal predictor's BCE loss
-    routing: str = "topk"  # topk (router top-k, training) | predictor (causal, by the predictor's decision)
 
 
 @register_block("mod")
@@ -63,7 +57,7 @@ class MoDBlock(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.opts = getattr(cfg, "mod", None) or MoDOptions()
+        self.opts = cfg.mod
         if self.opts.routing not in ("topk", "predictor"):
             raise ValueError(f"mod.routing={self.opts.routing!r}; use 'topk' or 'predictor'")
         for c in [self.opts.capacity, *self.opts.capacities]:

@@ -36,18 +36,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dynmo.config import ModelConfig
+from dynmo.config import MoEConfig, ModelConfig
+
+MoEOptions = MoEConfig  # options live in the config ([model.moe])
 from dynmo.dynamics import StepStats, attach_aux_loss
 from dynmo.model.gpt import CausalSelfAttention, register_block
-
-
-@dataclass
-class MoEOptions:
-    num_experts: int = 8
-    top_k: int = 2
-    capacity_factor: float = 0.0  # 0 = dropless; else per-expert capacity ceil(cf * tokens * top_k / num_experts)
-    aux_loss_coef: float = 0.01  # weight of the load-balancing loss
-    norm_topk_prob: bool = True  # renormalise the top-k probabilities (Mixtral); False = Switch-style raw probs
 
 
 class ExpertLinear(nn.Module):
@@ -142,7 +135,7 @@ class MoEBlock(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.opts = getattr(cfg, "moe", None) or MoEOptions()
+        self.opts = cfg.moe
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model)

@@ -138,6 +138,8 @@ def register_block(name: str):
 def layer_class(kind: str, cfg: ModelConfig) -> type[nn.Module]:
     if kind != "t":
         return KINDS[kind]
+    if cfg.block not in BLOCKS:
+        import dynmo.dynamics  # noqa: F401  registers the dynamic-model blocks on first use
     try:
         return BLOCKS[cfg.block]
     except KeyError:
@@ -173,7 +175,14 @@ def build_layer(spec: LayerSpec, cfg: ModelConfig, seed: int, device: torch.devi
         torch.manual_seed(seed * 1_000_003 + spec.index)
         layer = layer_class(spec.kind, cfg)(cfg)
         _init_weights(layer, cfg)
-    return layer.to(device)
+    return tag_layer(layer, spec).to(device)
+
+
+def tag_layer(layer: nn.Module, spec: LayerSpec) -> nn.Module:
+    """Tell a block its number (0-based), for per-block options such as MoD capacities."""
+    if spec.kind == "t":
+        layer.index = spec.index - 1
+    return layer
 
 
 def _init_weights(layer: nn.Module, cfg: ModelConfig) -> None:

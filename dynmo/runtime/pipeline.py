@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from dynmo.config import Config
 from dynmo.layout import Layout, LayoutError
-from dynmo.model.gpt import LayerSpec, build_layer, layer_class, layer_specs, loss_fn
+from dynmo.model.gpt import LayerSpec, build_layer, layer_class, layer_specs, loss_fn, tag_layer
 from dynmo.runtime import optim
 from dynmo.runtime.dist import DistContext
 from dynmo.runtime.schedules import schedule_kind, stage_to_rank
@@ -74,6 +74,8 @@ class Pipeline:
             i: build_layer(self.specs[i], cfg.model, cfg.train.seed, ctx.device) for i in self._my_layers(layout)
         }
         self.optimizer = optim.build_optimizer(self._named_layers(), cfg.train, ctx.device)
+        # objects with pack_layer/unpack_layer (dynmo.dynamics.case.Case): extra per-layer state
+        self.layer_extras: list = []
         self._build_schedule()
 
     # ---- placement --------------------------------------------------------------------
@@ -226,6 +228,8 @@ class Pipeline:
                 tensors[f"g.{n}"] = p.grad
             for k, v in state.get(n, {}).items():
                 tensors[f"o.{n}.{k}"] = v
+        for ex in self.layer_extras:
+            tensors |= {f"x.{ex.name}.{k}": v for k, v in ex.pack_layer(i, layer).items()}
         return Packet({"spec": self.specs[i]}, tensors)
 
     def _unpack_layer(self, pkt: Packet) -> tuple[nn.Module, dict]:
@@ -233,7 +237,7 @@ class Pipeline:
         self.specs[spec.index] = spec
         with torch.device("meta"):
             layer = layer_class(spec.kind, self.cfg.model)(self.cfg.model)
-        layer = layer.to_empty(device=self.ctx.device)
+        layer = tag_layer(layer.to_empty(device=self.ctx.device), spec)
         weights = {k[2:]: v for k, v in pkt.tensors.items() if k.startswith("w.")}
         layer.load_state_dict(weights, strict=True)
         params = dict(layer.named_parameters())
@@ -244,4 +248,7 @@ class Pipeline:
             elif k.startswith("o."):
                 pname, key = k[2:].rsplit(".", 1)
                 state.setdefault(pname, {})[key] = v
+        for ex in self.layer_extras:
+            pre = f"x.{ex.name}."
+            ex.unpack_layer(spec.index, layer, {k[len(pre):]: v for k, v in pkt.tensors.items() if k.startswith(pre)})
         return layer, state
