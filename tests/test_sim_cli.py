@@ -40,7 +40,7 @@ def test_simulate_all_options(tmp_path, capsys):
         "dp": 4, "grad_bytes": [1e6] * 4, "bandwidth": 1e8, "latency": 1e-4,
         "allreduce_mode": "blocking", "p2p": "rendezvous",
     }
-    rc, out = _run(tmp_path, capsys, spec, "--trace", "--indent", "0")
+    rc, out = _run(tmp_path, capsys, spec, "--ops", "--indent", "0")
     assert rc == 0, out.err
     doc = json.loads(out.out)
     assert doc["pipeline_ranks"] == 2 and doc["workers"] == 8

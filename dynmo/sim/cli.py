@@ -1,4 +1,10 @@
-"""`dynmo simulate --input stages.json`: stage times in, iteration time and bubbles out (JSON).
+"""`dynmo simulate`: one iteration from stage times, or a whole trace replayed under policies.
+
+    dynmo simulate --input stages.json [--ops]          one iteration, JSON out
+    dynmo simulate --trace FILE --stages P --dp D [--policies ...] [--microbatches M]
+                   [--scale-blocks N] [--plots DIR] [--json]
+        FILE: a trace (dynmo train --trace FILE) or a run folder (its metrics.jsonl is converted).
+        Prints a table per policy; see docs/simulator.md "Trace replay".
 
 stages.json (see docs/simulator.md):
     {"schedule": "1F1B", "microbatches": 8,
@@ -21,6 +27,7 @@ from dynmo.jsonio import read_json
 
 from dynmo.sim.engine import ALLREDUCE_MODES, P2P_MODES, SimInputError, simulate
 from dynmo.sim.schedules import SCHEDULES, ScheduleError
+from dynmo.sim.trace import TraceError
 
 KEYS = {
     "schedule", "microbatches", "fwd", "bwd", "wgrad", "comm", "stages_per_rank", "dp",
@@ -31,18 +38,46 @@ KEYS = {
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="dynmo simulate",
-        description="Simulate one training iteration of a pipeline schedule from per-stage times "
-        "and print JSON: iteration_time, bubble_ratio (split into bubble_inherent and "
-        "bubble_imbalance), per-rank busy_s / idle_s.",
+        description="With --input: simulate one training iteration of a pipeline schedule from "
+        "per-stage times and print JSON (iteration_time, bubble_ratio split into bubble_inherent "
+        "and bubble_imbalance, per-rank busy_s / idle_s). With --trace: replay a per-layer cost "
+        "trace under static and dynamic balancing policies and print a table.",
     )
-    ap.add_argument("--input", required=True, help="stages.json path, or - for stdin")
-    ap.add_argument("--schedule", help=f"override the file's schedule ({', '.join(SCHEDULES)})")
-    ap.add_argument("--microbatches", type=int, help="override the file's microbatches")
-    ap.add_argument("--dp", type=int, help="override the number of data-parallel replicas")
-    ap.add_argument("--allreduce-mode", choices=ALLREDUCE_MODES, help="override allreduce_mode")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--input", help="stages.json path, or - for stdin")
+    src.add_argument("--trace", metavar="FILE", help="trace file (dynmo train --trace) or run folder to replay")
+    ap.add_argument("--schedule", help=f"override the schedule ({', '.join(SCHEDULES)})")
+    ap.add_argument("--microbatches", type=int, help="override the microbatches per step")
+    ap.add_argument("--dp", type=int, help="data-parallel replicas")
+    ap.add_argument("--allreduce-mode", choices=ALLREDUCE_MODES, help="override allreduce_mode (--input)")
     ap.add_argument("--p2p", choices=P2P_MODES, help="override the transfer model (default eager)")
-    ap.add_argument("--trace", action="store_true", help="include every op's start and end")
+    ap.add_argument("--ops", action="store_true", help="--input: include every op's start and end")
     ap.add_argument("--indent", type=int, default=2, help="JSON indent (0: one line)")
+    r = ap.add_argument_group("trace replay (--trace)")
+    r.add_argument("--stages", type=int, help="pipeline stages (default: the traced run's)")
+    r.add_argument("--stages-per-rank", type=int, help="stages per rank for multi-stage schedules")
+    r.add_argument("--policies", help="comma-separated: uniform, params, optimal, deepspeed, "
+                   "diffusion-contiguous, <balancer>+repack, oracle (default: all)")
+    r.add_argument("--scale-blocks", type=int, help="first scale the trace to N transformer blocks (scale_trace)")
+    r.add_argument("--cost-scale", type=float, default=1.0, help="with --scale-blocks: multiply layer costs")
+    r.add_argument("--params-scale", type=float, default=1.0, help="with --scale-blocks: multiply block params")
+    r.add_argument("--noise", type=float, default=0.0, help="with --scale-blocks: lognormal sigma per block and step")
+    r.add_argument("--when", default="auto", choices=["every", "dynamism", "auto"], help="controller trigger (default auto)")
+    r.add_argument("--every", type=int, default=10, help="with --when every: steps between rebalances")
+    r.add_argument("--window", type=int, default=3, help="controller's median forecast window")
+    r.add_argument("--min-gain", type=float, default=0.05, help="auto: minimum bottleneck reduction")
+    r.add_argument("--horizon", type=int, default=50, help="auto: steps the saving must repay the migration in")
+    r.add_argument("--repack-tolerance", type=float, default=0.05, help="+repack: allowed bottleneck growth")
+    r.add_argument("--mig-bandwidth", type=float, default=1e9, help="migration bytes/s (default 1e9)")
+    r.add_argument("--mig-fixed", type=float, default=0.01, help="fixed seconds per migration (default 0.01)")
+    r.add_argument("--no-decide-time", action="store_true", help="do not charge the controller's decide time")
+    r.add_argument("--comm", type=float, default=0.0, help="seconds per stage-to-stage transfer (default 0)")
+    r.add_argument("--allreduce-bandwidth", type=float, help="bytes/s of the dp gradient ring all-reduce "
+                   "(default: not modelled)")
+    r.add_argument("--allreduce-latency", type=float, default=0.0, help="seconds per all-reduce")
+    r.add_argument("--plots", metavar="DIR", help="write PNG plots to DIR")
+    r.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    r.add_argument("--save-trace", metavar="FILE", help="write the (converted or scaled) trace to FILE")
     return ap
 
 
@@ -78,6 +113,12 @@ def run(spec: dict, trace: bool = False) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.trace is not None:
+        try:
+            return _replay_main(args)
+        except (SimInputError, ScheduleError, TraceError, ValueError) as e:
+            print(f"dynmo simulate: {e}", file=sys.stderr)
+            return 2
     try:
         spec = read_json(args.input)
     except ValueError as e:
@@ -90,12 +131,86 @@ def main(argv: list[str] | None = None) -> int:
             if val is not None:
                 spec[key] = val
     try:
-        out = run(spec, trace=args.trace)
+        out = run(spec, trace=args.ops)
     except (SimInputError, ScheduleError) as e:
         print(f"dynmo simulate: {e}", file=sys.stderr)
         return 2
     print(json.dumps(out, indent=args.indent or None))
     return 0
+
+
+def _replay_main(args: argparse.Namespace) -> int:
+    from dynmo.sim.replay import DEFAULT_POLICIES, ReplayOptions, replay, summary_table, trace_summary
+    from dynmo.sim.trace import load_trace, scale_trace
+
+    trace = load_trace(args.trace)
+    if args.scale_blocks:
+        trace = scale_trace(trace, args.scale_blocks, cost_scale=args.cost_scale,
+                            params_scale=args.params_scale, noise=args.noise)
+    if args.save_trace:
+        trace.write(args.save_trace)
+    opts = ReplayOptions(
+        schedule=args.schedule, microbatches=args.microbatches, stages_per_rank=args.stages_per_rank,
+        when=args.when, every=args.every, window=args.window, min_gain=args.min_gain, horizon=args.horizon,
+        repack_tolerance=args.repack_tolerance, migration_bandwidth=args.mig_bandwidth,
+        migration_fixed_s=args.mig_fixed, charge_decide=not args.no_decide_time, comm=args.comm,
+        p2p=args.p2p or "eager", allreduce_bandwidth=args.allreduce_bandwidth,
+        allreduce_latency=args.allreduce_latency,
+    )
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else list(DEFAULT_POLICIES)
+    results = replay(trace, args.stages, args.dp, policies, opts)
+    info = trace_summary(trace)
+    shape = _shape(trace, results, args, opts)
+    notes = _missing(trace, opts, shape)
+    plots = []
+    if args.plots:
+        from dynmo.sim.plots import write_plots
+
+        title = f"{info['case']}, {shape['stages']} stages x {shape['dp']} dp"
+        plots = [str(p) for p in write_plots(results, args.plots, title)]
+    if args.json:
+        doc = {"trace": info, "replay": shape, "not_modelled": notes, "plots": plots,
+               "policies": [r.as_dict() for r in results]}
+        print(json.dumps(doc, indent=args.indent or None))
+        return 0
+    print(f"trace: {args.trace} ({info['source']}), case {info['case']}, {info['layers']} layers, "
+          f"{info['steps']} steps, dynamism at steps {info['dynamism_steps'] or 'none'}")
+    print(f"replay: {shape['schedule']}, {shape['stages']} stages on {shape['ranks']} ranks x {shape['dp']} dp "
+          f"= {shape['workers']} workers, {shape['microbatches']} microbatches, controller when={opts.when}")
+    print(summary_table(results))
+    print("speedup: total time of static uniform / this policy's (migrations and decide time included); "
+          "/worker: the same per worker-second; bottleneck: mean slowest stage per microbatch")
+    for n in notes:
+        print(f"not modelled: {n}")
+    for p in plots:
+        print(f"wrote {p}")
+    return 0
+
+
+def _shape(trace, results, args, opts) -> dict:
+    from dynmo.sim.schedules import canonical_name
+
+    h = trace.header
+    first = results[0]
+    stages = len(first.layouts[0]) - 1
+    dp = args.dp or h.dp
+    return {"schedule": canonical_name(opts.schedule or h.schedule), "stages": stages,
+            "ranks": first.workers[0] // dp, "dp": dp, "workers": first.workers[0],
+            "microbatches": opts.microbatches or h.microbatches}
+
+
+def _missing(trace, opts, shape) -> list[str]:
+    """What this replay leaves out, said in the output (issue 7)."""
+    out = []
+    if shape["dp"] > 1 and not opts.allreduce_bandwidth:
+        out.append("data-parallel gradient all-reduce (give --allreduce-bandwidth bytes/s)")
+    if opts.comm == 0:
+        out.append("stage-to-stage transfer time (give --comm seconds)")
+    if "ZeroBubble" in shape["schedule"] and any(s.wgrad is None for s in trace.steps):
+        out.append("measured weight-gradient split: the zero-bubble schedules take wgrad = bwd / 2")
+    out.append("micro-batch re-tuning after re-packing (balance.retune_microbatches)")
+    out.append("per-layer cost changes caused by the placement itself (costs are replayed as traced)")
+    return out
 
 
 if __name__ == "__main__":

@@ -1,0 +1,381 @@
+"""Replay a per-layer cost trace under balancing policies on a pipeline of any size. Pure.
+
+    from dynmo.sim.replay import replay, ReplayOptions
+    results = replay(trace, stages=24, dp=30, policies=["uniform", "optimal", "optimal+repack", "oracle"])
+    for r in results: r.policy, r.steps_per_s, r.speedup, r.mean_bubble, r.workers_final
+
+Per traced step k the costs c_i(k) (forward and backward seconds per microbatch of every layer)
+are summed over each stage of the policy's layout, and the event-driven engine runs one
+iteration of the schedule with them. Policies:
+
+  uniform, params      static: equal layers per stage (Megatron) / DeepSpeed's partition of
+                       the parameter counts, kept for the whole run;
+  <balancer>           dynamic: the pure `dynmo.controller.Controller` (the same policy code
+                       the runtime runs) observes each step's costs after the step and decides
+                       before the next one with that balancer (optimal, deepspeed fed times,
+                       diffusion-contiguous, uniform); a migration costs fixed + bytes /
+                       bandwidth and the balancer's measured decide time is charged too;
+  <balancer>+repack    the same, and whenever the controller acts, `dynmo.balance.repack`
+                       (ours, optimal) packs the layers onto the fewest stages whose optimal
+                       bottleneck stays within the tolerance; released workers never return;
+  oracle               per step the optimal contiguous layout for that step's own costs, with
+                       no migration or decide cost: the oracle bound (SPEC.md).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from dynmo.balance import BALANCERS, Problem, balance, repack
+from dynmo.controller import WHEN, Controller
+from dynmo.layout import Layout, imbalance
+from dynmo.sim.engine import SimInputError, StageTimes, ring_allreduce_time, simulate_plan
+from dynmo.sim.schedules import Plan, build_plan, canonical_name, default_stages_per_rank
+from dynmo.sim.trace import Trace
+
+STATIC = ("uniform", "params")
+DYNAMIC = ("optimal", "deepspeed", "diffusion-contiguous")
+DEFAULT_POLICIES = (*STATIC, *DYNAMIC, *(f"{b}+repack" for b in DYNAMIC), "oracle")
+GRAD_BYTES_PER_PARAM = 4  # fp32 gradients in the data-parallel all-reduce
+
+
+@dataclass
+class ReplayOptions:
+    schedule: str | None = None  # default: the traced run's
+    microbatches: int | None = None  # per replica per step; default: the traced run's
+    stages_per_rank: int | None = None  # multi-stage schedules; default: traced virtual_stages or 2
+    # controller (dynmo.controller.Controller), as [balance] in the config
+    when: str = "auto"
+    every: int = 10
+    window: int = 3
+    min_gain: float = 0.05
+    horizon: int = 50
+    initial: str = "uniform"  # initial layout of the dynamic policies: uniform | params
+    repack_tolerance: float = 0.05
+    # migration cost: seconds = fixed + bytes / bandwidth (the controller's model)
+    migration_bandwidth: float = 1e9  # bytes/s
+    migration_fixed_s: float = 0.01
+    charge_decide: bool = True  # add the measured time of the controller's decisions
+    # communication
+    comm: float = 0.0  # seconds per activation / gradient transfer between stages
+    p2p: str = "eager"
+    allreduce_bandwidth: float | None = None  # bytes/s of the dp ring all-reduce; None: not modelled
+    allreduce_latency: float = 0.0
+
+    def check(self) -> None:
+        if self.when not in WHEN or self.when == "never":
+            raise SimInputError(f"when must be one of every, dynamism, auto for the dynamic policies, got {self.when!r}")
+        if self.initial not in STATIC:
+            raise SimInputError(f"initial must be uniform or params, got {self.initial!r}")
+        if not self.migration_bandwidth > 0:
+            raise SimInputError("migration bandwidth must be > 0 bytes/s (use inf for free migrations)")
+        if self.microbatches is not None and self.microbatches < 1:
+            raise SimInputError("microbatches must be >= 1")
+
+
+@dataclass
+class PolicyResult:
+    policy: str
+    iteration_s: list[float] = field(default_factory=list)  # simulated schedule time per step
+    bubble_ratio: list[float] = field(default_factory=list)
+    bottleneck_s: list[float] = field(default_factory=list)  # max stage load (s per microbatch)
+    stage_loads: list[list[float]] = field(default_factory=list)  # per step, per stage
+    layouts: list[list[int]] = field(default_factory=list)  # boundaries per step
+    workers: list[int] = field(default_factory=list)  # pipeline ranks x dp per step
+    overhead_s: list[float] = field(default_factory=list)  # migration + decide before each step
+    migrations: int = 0
+    layers_moved: int = 0
+    migration_s: float = 0.0
+    decide_s: float = 0.0
+    tokens_per_step: float | None = None
+    speedup: float | None = None  # vs static uniform: its total time / this total time
+    speedup_per_worker: float | None = None  # the same per worker-second (credits released workers)
+
+    @property
+    def steps(self) -> int:
+        return len(self.iteration_s)
+
+    @property
+    def total_s(self) -> float:
+        return float(sum(self.iteration_s) + self.migration_s + self.decide_s)
+
+    @property
+    def worker_s(self) -> float:
+        """Worker-seconds used: every step's time x the workers that step ran on."""
+        return float(sum((t + o) * w for t, o, w in zip(self.iteration_s, self.overhead_s, self.workers)))
+
+    @property
+    def steps_per_s(self) -> float:
+        return self.steps / self.total_s if self.total_s > 0 else 0.0
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return None if self.tokens_per_step is None else self.tokens_per_step * self.steps_per_s
+
+    @property
+    def mean_bubble(self) -> float:
+        return float(np.mean(self.bubble_ratio)) if self.bubble_ratio else 0.0
+
+    @property
+    def workers_mean(self) -> float:
+        return float(np.mean(self.workers)) if self.workers else 0.0
+
+    @property
+    def workers_final(self) -> int:
+        return self.workers[-1] if self.workers else 0
+
+    def as_dict(self, per_step: bool = True) -> dict:
+        d = {
+            "policy": self.policy, "steps": self.steps, "total_s": self.total_s, "steps_per_s": self.steps_per_s,
+            "tokens_per_s": self.tokens_per_s, "speedup": self.speedup, "speedup_per_worker": self.speedup_per_worker,
+            "mean_bubble": self.mean_bubble, "workers_mean": self.workers_mean, "workers_final": self.workers_final,
+            "migrations": self.migrations, "layers_moved": self.layers_moved, "migration_s": self.migration_s,
+            "decide_s": self.decide_s, "mean_bottleneck_s": float(np.mean(self.bottleneck_s)) if self.bottleneck_s else 0.0,
+        }
+        if per_step:
+            d |= {"iteration_s": self.iteration_s, "bubble_ratio": self.bubble_ratio, "bottleneck_s": self.bottleneck_s,
+                  "stage_loads": self.stage_loads, "layouts": self.layouts, "workers": self.workers,
+                  "overhead_s": self.overhead_s}
+        return d
+
+
+def parse_policy(name: str) -> tuple[str, bool]:
+    """'optimal+repack' -> ('optimal', True). Raises on unknown names."""
+    base, _, extra = name.partition("+")
+    if extra not in ("", "repack"):
+        raise SimInputError(f"unknown policy suffix in {name!r}; only +repack exists")
+    if base == "oracle" or base in STATIC:
+        if extra:
+            raise SimInputError(f"{base} cannot re-pack; re-packing needs a dynamic policy (e.g. optimal+repack)")
+        return base, False
+    if base not in BALANCERS or not BALANCERS[base][1]:
+        contiguous = sorted(b for b, (_, c) in BALANCERS.items() if c)
+        raise SimInputError(f"unknown policy {name!r}: use uniform, params, oracle or a contiguous balancer "
+                            f"({', '.join(contiguous)}), optionally with +repack")
+    return base, extra == "repack"
+
+
+class _Runner:
+    """Builds plans once per shape and simulates one step for a layout."""
+
+    def __init__(self, trace: Trace, dp: int, opts: ReplayOptions):
+        h = trace.header
+        self.opts, self.dp = opts, dp
+        self.schedule = canonical_name(opts.schedule or h.schedule)
+        v = opts.stages_per_rank
+        if v is None:
+            v = default_stages_per_rank(self.schedule)
+            if v > 1 and h.virtual_stages > 1 and canonical_name(h.schedule) == self.schedule:
+                v = h.virtual_stages
+        self.v = int(v)
+        self.m = int(opts.microbatches or h.microbatches)
+        self.fwd, self.bwd = trace.fwd(), trace.bwd()
+        self.wgrad = None
+        if all(s.wgrad is not None for s in trace.steps):
+            self.wgrad = np.asarray([s.wgrad for s in trace.steps], dtype=float)
+        self.costs = self.fwd + self.bwd
+        self.params = np.asarray(h.params, dtype=float)
+        self.plans: dict[int, Plan] = {}
+
+    def plan(self, stages: int) -> Plan:
+        if stages not in self.plans:
+            if stages % self.v:
+                raise SimInputError(f"{self.schedule} with {self.v} stages per rank needs a multiple of {self.v} stages, got {stages}")
+            self.plans[stages] = build_plan(self.schedule, stages // self.v, self.m, stages_per_rank=self.v)
+        return self.plans[stages]
+
+    def step(self, k: int, layout: Layout, res: PolicyResult) -> None:
+        b = np.asarray(layout.boundaries[:-1])
+        f = np.add.reduceat(self.fwd[k], b)
+        bw = np.add.reduceat(self.bwd[k], b)
+        w = None if self.wgrad is None else np.add.reduceat(self.wgrad[k], b)
+        ar = 0.0
+        if self.opts.allreduce_bandwidth and self.dp > 1:
+            grad_bytes = np.add.reduceat(self.params, b) * GRAD_BYTES_PER_PARAM
+            ar = ring_allreduce_time(grad_bytes, self.dp, self.opts.allreduce_bandwidth, self.opts.allreduce_latency)
+        times = StageTimes.build(f, bw, self.m, wgrad=w, comm=self.opts.comm, allreduce=ar)
+        plan = self.plan(layout.num_stages)
+        sim = simulate_plan(plan, times, dp=self.dp, p2p=self.opts.p2p, split_bubble=False)
+        loads = (f + bw).tolist()
+        res.iteration_s.append(sim.iteration_time)
+        res.bubble_ratio.append(sim.bubble_ratio)
+        res.stage_loads.append(loads)
+        res.bottleneck_s.append(max(loads))
+        res.layouts.append(list(layout.boundaries))
+        res.workers.append(plan.num_ranks * self.dp)
+
+
+def _static_layout(name: str, trace: Trace, stages: int) -> Layout:
+    if name == "uniform":
+        return Layout.uniform(trace.num_layers, stages)
+    return Layout(tuple(balance(Problem(costs=trace.header.params, stages=stages), "deepspeed").boundaries))
+
+
+def _moved_bytes(old: Layout, new: Layout, workers: Sequence[int], layer_bytes: Sequence[int]) -> tuple[int, int]:
+    """Layers whose worker changes (new stage j runs on old worker workers[j]) and their bytes."""
+    a = old.owner()
+    b = [workers[j] for j in new.owner()]
+    moved = [i for i in range(len(a)) if a[i] != b[i]]
+    return len(moved), int(sum(layer_bytes[i] for i in moved))
+
+
+def replay(trace: Trace, stages: int | None = None, dp: int | None = None,
+           policies: Sequence[str] = DEFAULT_POLICIES, options: ReplayOptions | None = None) -> list[PolicyResult]:
+    """Replay `trace` on `stages` pipeline stages x `dp` replicas under each policy.
+
+    `stages` and `dp` default to the traced run's. Speedups are relative to static uniform
+    (replayed for the comparison even when not asked for; then it is not returned).
+    """
+    opts = options or ReplayOptions()
+    opts.check()
+    h = trace.header
+    stages = int(stages or h.pp * h.virtual_stages)
+    dp = int(dp or h.dp)
+    if dp < 1:
+        raise SimInputError(f"dp must be >= 1, got {dp}")
+    if stages > trace.num_layers:
+        raise SimInputError(f"cannot split {trace.num_layers} layers into {stages} stages; "
+                            "scale the trace to more blocks (--scale-blocks) or use fewer stages")
+    parsed = [(p, *parse_policy(p)) for p in policies]
+    runner = _Runner(trace, dp, opts)
+    runner.plan(stages)  # fail early on a bad shape
+    tokens = None
+    if h.tokens_per_microbatch:
+        tokens = float(h.tokens_per_microbatch) * runner.m * dp
+    out: dict[str, PolicyResult] = {}
+    for name, base, rp in parsed:
+        if name in out:
+            continue
+        res = PolicyResult(name, tokens_per_step=tokens)
+        if base in STATIC:
+            _run_static(trace, runner, _static_layout(base, trace, stages), res)
+        elif base == "oracle":
+            _run_oracle(trace, runner, stages, res)
+        else:
+            _run_dynamic(trace, runner, stages, base, rp, opts, res)
+        out[name] = res
+    ref = out.get("uniform")
+    if ref is None:
+        ref = PolicyResult("uniform", tokens_per_step=tokens)
+        _run_static(trace, runner, _static_layout("uniform", trace, stages), ref)
+    for r in out.values():
+        r.speedup = ref.total_s / r.total_s if r.total_s > 0 else None
+        r.speedup_per_worker = ref.worker_s / r.worker_s if r.worker_s > 0 else None
+    return _ordered(out, [p for p, _, _ in parsed])
+
+
+def _ordered(out: dict[str, PolicyResult], names: list[str]) -> list[PolicyResult]:
+    seen, res = set(), []
+    for n in names:
+        if n not in seen:
+            seen.add(n)
+            res.append(out[n])
+    return res
+
+
+def _run_static(trace: Trace, runner: _Runner, layout: Layout, res: PolicyResult) -> None:
+    for k in range(len(trace.steps)):
+        res.overhead_s.append(0.0)
+        runner.step(k, layout, res)
+
+
+def _run_oracle(trace: Trace, runner: _Runner, stages: int, res: PolicyResult) -> None:
+    for k in range(len(trace.steps)):
+        r = balance(Problem(costs=runner.costs[k].tolist(), stages=stages), "optimal")
+        res.overhead_s.append(0.0)
+        runner.step(k, r.layout, res)
+
+
+def _run_dynamic(trace: Trace, runner: _Runner, stages: int, balancer: str, do_repack: bool,
+                 opts: ReplayOptions, res: PolicyResult) -> None:
+    """The runtime's loop (dynmo.train: _rebalance before the step, _observe after it)."""
+    h = trace.header
+    ctl = Controller(when=opts.when, every=opts.every, balancer=balancer, window=opts.window,
+                     min_gain=opts.min_gain, horizon=opts.horizon, microbatches=runner.m,
+                     fixed_s=opts.migration_fixed_s, bandwidth=opts.migration_bandwidth)
+    layout = _static_layout(opts.initial, trace, stages)
+    lbytes = list(h.layer_bytes)
+    n_steps = len(trace.steps)
+    for k, st in enumerate(trace.steps):
+        t0 = time.perf_counter()
+        consulted = (ctl.when == "dynamism" and ctl.pending and bool(ctl.history)) or \
+                    (ctl.when == "every" and k > 0 and k % ctl.every == 0 and bool(ctl.history)) or \
+                    (ctl.when == "auto" and len(ctl.history) >= ctl.window)
+        decision = ctl.decide(k, layout, lbytes, n_steps - k)
+        new = decision.layout if decision is not None else layout
+        workers = list(range(new.num_stages))
+        if do_repack and consulted and layout.num_stages > runner.v:
+            new, workers = _repack(ctl.forecast(), new, opts.repack_tolerance, runner.v)
+        decide_s = time.perf_counter() - t0 if opts.charge_decide else 0.0
+        overhead = decide_s
+        if new != layout or len(workers) != layout.num_stages:
+            moved, nbytes = _moved_bytes(layout, new, workers, lbytes)
+            # fixed + bytes / bandwidth, as the controller predicts (and as it refits from runs)
+            seconds = opts.migration_fixed_s + nbytes / opts.migration_bandwidth if moved else 0.0
+            if moved:
+                res.migrations += 1
+                res.layers_moved += moved
+                res.migration_s += seconds
+                overhead += seconds
+                ctl.observe_migration(nbytes, seconds)
+            layout = new
+            ctl.history.clear()  # as the runtime: costs measured under the old layout are dropped
+        res.decide_s += decide_s
+        res.overhead_s.append(overhead)
+        runner.step(k, layout, res)
+        if st.dynamism:
+            ctl.dynamism()
+        ctl.observe(runner.costs[k].tolist())
+
+
+def _repack(costs: list[float] | None, layout: Layout, tolerance: float, v: int) -> tuple[Layout, list[int]]:
+    """Fewest stages (a multiple of v) within tolerance of the best on all of `layout`'s stages."""
+    S = layout.num_stages
+    if costs is None:
+        return layout, list(range(S))
+    r = repack(Problem(costs=costs, stages=S, current=list(layout.boundaries)), tolerance, "optimal")
+    k = len(r.workers)
+    if k >= S:
+        return layout, list(range(S))
+    if k % v == 0:
+        return Layout(tuple(r.boundaries)), list(r.workers)
+    k = math.ceil(k / v) * v  # whole ranks only: keep the first k stages' workers
+    if k >= S:
+        return layout, list(range(S))
+    return Layout(tuple(balance(Problem(costs=costs, stages=k), "optimal").boundaries)), list(range(k))
+
+
+def summary_table(results: Sequence[PolicyResult]) -> str:
+    """The replay table: throughput, speedup, bubble, workers, migrations."""
+    tok = any(r.tokens_per_s is not None for r in results)
+    head = (f"{'policy':<28} {'steps/s':>8} " + (f"{'tokens/s':>10} " if tok else "") +
+            f"{'speedup':>7} {'/worker':>7} {'bubble':>6} {'bottleneck':>10} {'workers':>11} {'migr':>5} "
+            f"{'moved':>5} {'migr s':>7} {'decide s':>8}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        bn = float(np.mean(r.bottleneck_s)) if r.bottleneck_s else 0.0
+        workers = f"{r.workers_mean:.1f}/{r.workers_final}"
+        lines.append(
+            f"{r.policy:<28} {r.steps_per_s:>8.3f} " + (f"{(r.tokens_per_s or 0):>10.0f} " if tok else "") +
+            f"{(r.speedup or 0):>7.3f} {(r.speedup_per_worker or 0):>7.3f} {r.mean_bubble:>6.3f} {bn * 1e3:>8.2f}ms "
+            f"{workers:>11} {r.migrations:>5} {r.layers_moved:>5} {r.migration_s:>7.3f} {r.decide_s:>8.4f}"
+        )
+    return "\n".join(lines)
+
+
+def trace_summary(trace: Trace) -> dict:
+    """Shape and dynamics of a trace, for the CLI header and JSON."""
+    c = trace.costs()
+    h = trace.header
+    return {
+        "case": h.case, "source": h.source, "layers": trace.num_layers, "steps": len(trace.steps),
+        "traced_pp": h.pp, "traced_dp": h.dp, "schedule": h.schedule, "microbatches": h.microbatches,
+        "dynamism_steps": trace.dynamism_steps(),
+        "total_cost_first_last_s": [float(c[0].sum()), float(c[-1].sum())],
+        "layer_imbalance_last": imbalance(c[-1].tolist()),
+    }
