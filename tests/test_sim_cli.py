@@ -77,7 +77,8 @@ def test_unreadable_input(tmp_path, capsys):
 
 def test_simulator_does_not_import_torch():
     code = (
-        "import sys, dynmo.sim, dynmo.sim.cli, dynmo.sim.engine, dynmo.sim.schedules;"
+        "import sys, dynmo.sim, dynmo.sim.cli, dynmo.sim.engine, dynmo.sim.schedules, dynmo.sim.trace, "
+        "dynmo.sim.replay, dynmo.sim.plots;"
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -1,0 +1,158 @@
+"""Trace replay: policies' invariants, equivalence to the simulator, the CLI end to end."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from dynmo.balance import Problem, balance
+from dynmo.cli import main as dynmo_main
+from dynmo.layout import Layout
+from dynmo.sim import simulate, stage_times
+from dynmo.sim.engine import SimInputError
+from dynmo.sim.replay import DEFAULT_POLICIES, ReplayOptions, parse_policy, replay
+from dynmo.sim.trace import Trace, TraceHeader, TraceStep, TraceWriter, param_counts
+
+FREE = dict(migration_bandwidth=float("inf"), migration_fixed_s=0.0, charge_decide=False)
+
+
+def make_trace(costs: np.ndarray, schedule: str = "1f1b", microbatches: int = 4, dynamism=(), tokens=True) -> Trace:
+    """A trace with the given per-step per-layer costs (fwd = 1/3, bwd = 2/3 of each)."""
+    steps, n = costs.shape
+    cfg = {"model": {"n_layers": n - 2, "d_model": 32, "seq_len": 16, "vocab_size": 64},
+           "train": {"global_batch": 8 if tokens else 0, "microbatches": microbatches},
+           "parallel": {"schedule": schedule, "virtual_stages": 2 if "interleaved" in schedule else 1}}
+    header = TraceHeader.from_config(cfg, param_counts(cfg["model"]), 2, 1)
+    out = [TraceStep(k, (c / 3).tolist(), (2 * c / 3).tolist(), events=[{"type": "dynamism"}] if k in dynamism else [])
+           for k, c in enumerate(costs)]
+    return Trace(header, out)
+
+
+def drifting(rng, steps: int, n: int) -> np.ndarray:
+    """Costs with step changes (a dynamic model): a random region gets heavier at random steps."""
+    c = np.tile(rng.uniform(0.5, 1.5, n), (steps, 1))
+    for _ in range(3):
+        k, i, j = rng.integers(0, steps), rng.integers(0, n), rng.integers(1, 4)
+        c[k:, i:i + j] *= rng.uniform(1.5, 4.0)
+    return c * 0.01
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(3, 5), st.integers(7, 16), st.sampled_from(["1f1b", "gpipe", "interleaved1f1b"]),
+       st.integers(0, 2**31))
+def test_oracle_bound_and_static_uniform(stages, n, schedule, seed):
+    rng = np.random.default_rng(seed)
+    v = 2 if schedule == "interleaved1f1b" else 1
+    stages = stages * v
+    if n < stages:
+        n = stages + 1
+    costs = drifting(rng, 8, n)
+    t = make_trace(costs, schedule)
+    res = {r.policy: r for r in replay(t, stages, 1, DEFAULT_POLICIES, ReplayOptions())}
+    oracle = res["oracle"]
+    for r in res.values():
+        assert len(r.iteration_s) == 8
+        for k in range(8):
+            assert oracle.bottleneck_s[k] <= r.bottleneck_s[k] * (1 + 1e-9)
+            assert 0 <= r.bubble_ratio[k] < 1
+        # re-packing never uses more workers, and released workers never come back
+        assert all(a >= b for a, b in zip(r.workers, r.workers[1:]))
+        assert max(r.workers) <= stages // v
+    for b in ("optimal", "deepspeed", "diffusion-contiguous"):
+        assert all(x <= y for x, y in zip(res[f"{b}+repack"].workers, res[b].workers))
+    # static uniform is exactly the simulator run on the summed layer costs
+    lay = Layout.uniform(n, stages)
+    for k in range(8):
+        direct = simulate(stage_times(costs[k] / 3, lay), stage_times(2 * costs[k] / 3, lay), schedule, 4,
+                          stages_per_rank=v, split_bubble=False)
+        assert res["uniform"].iteration_s[k] == pytest.approx(direct.iteration_time, rel=1e-12)
+        assert res["uniform"].bubble_ratio[k] == pytest.approx(direct.bubble_ratio, rel=1e-12)
+    assert res["uniform"].speedup == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("when", ["every", "auto"])
+def test_dynamic_optimal_with_free_migration_reaches_the_oracle(when):
+    """Constant costs: once the controller has seen a step, optimal is the oracle's layout."""
+    rng = np.random.default_rng(3)
+    costs = np.tile(rng.uniform(0.2, 3.0, 14), (6, 1)) * 0.01
+    t = make_trace(costs)
+    opts = ReplayOptions(when=when, every=1, window=1, min_gain=0.0, **FREE)
+    dyn, orc = replay(t, 4, 1, ["optimal", "oracle"], opts)
+    assert dyn.iteration_s[1:] == pytest.approx(orc.iteration_s[1:], rel=1e-12)
+    assert dyn.bottleneck_s[1:] == pytest.approx(orc.bottleneck_s[1:], rel=1e-12)
+    assert dyn.migration_s == 0.0 and dyn.total_s == pytest.approx(sum(dyn.iteration_s))
+
+
+def test_migration_cost_is_charged_as_the_controller_models_it():
+    costs = np.ones((6, 10)) * 0.01
+    costs[2:, 1:4] *= 4  # a skew from step 2 on, announced as dynamism
+    t = make_trace(costs, dynamism=(2,))
+    opts = ReplayOptions(when="dynamism", migration_bandwidth=1e6, migration_fixed_s=0.5, charge_decide=False)
+    (r,) = replay(t, 2, 1, ["optimal"], opts)
+    assert r.migrations == 1  # decided before step 3 from step 2's costs
+    assert r.layouts[2] == [0, 5, 10] and r.layouts[3] != [0, 5, 10]
+    moved = Layout(tuple(r.layouts[2])).moves_to(Layout(tuple(r.layouts[3])))
+    want = 0.5 + sum(t.header.layer_bytes[m.layer] for m in moved) / 1e6
+    assert r.layers_moved == len(moved) and r.migration_s == pytest.approx(want)
+    assert r.overhead_s[3] == pytest.approx(want) and r.total_s == pytest.approx(sum(r.iteration_s) + want)
+
+
+def test_repack_releases_workers_when_the_work_shrinks():
+    """Pruning-like: most blocks get ~free; the bottleneck is one heavy layer, so fewer stages do."""
+    costs = np.ones((8, 12)) * 0.01
+    costs[3:, 2:] *= 0.05
+    costs[3:, 1] *= 3
+    t = make_trace(costs, dynamism=(3,))
+    opts = ReplayOptions(when="dynamism", repack_tolerance=0.05, **FREE)
+    plain, packed = replay(t, 4, 2, ["optimal", "optimal+repack"], opts)
+    assert plain.workers == [8] * 8
+    assert packed.workers[:4] == [8] * 4 and packed.workers[-1] < 8
+    assert packed.bottleneck_s[-1] <= plain.bottleneck_s[-1] * 1.05 + 1e-12
+    assert packed.speedup_per_worker > plain.speedup_per_worker
+
+
+def test_allreduce_and_tokens():
+    costs = np.ones((3, 6)) * 0.01
+    t = make_trace(costs)
+    (a,) = replay(t, 2, 4, ["uniform"], ReplayOptions())
+    (b,) = replay(t, 2, 4, ["uniform"], ReplayOptions(allreduce_bandwidth=1e6))
+    assert b.iteration_s[0] > a.iteration_s[0]
+    assert a.tokens_per_step == t.header.tokens_per_microbatch * 4 * 4  # microbatches x dp
+    assert a.workers == [8, 8, 8]
+
+
+def test_bad_policies_and_shapes():
+    assert parse_policy("deepspeed+repack") == ("deepspeed", True)
+    for bad in ("diffusion", "oracle+repack", "optimal+foo", "nope"):
+        with pytest.raises(SimInputError):
+            parse_policy(bad)
+    t = make_trace(np.ones((2, 6)))
+    with pytest.raises(SimInputError, match="scale the trace"):
+        replay(t, 7, 1)
+
+
+def test_cli_replays_a_trace_file(tmp_path, capsys):
+    rng = np.random.default_rng(5)
+    t = make_trace(drifting(rng, 10, 10), dynamism=(4,))
+    path = tmp_path / "t.jsonl"
+    with TraceWriter(path, t.header) as w:
+        for s in t.steps:
+            w.write_trace_step(s)
+    assert dynmo_main(["simulate", "--trace", str(path), "--stages", "3", "--dp", "2", "--plots",
+                       str(tmp_path / "p")]) == 0
+    out = capsys.readouterr().out
+    for policy in DEFAULT_POLICIES:
+        assert f"\n{policy} " in out
+    assert "not modelled: data-parallel gradient all-reduce" in out
+    assert (tmp_path / "p" / "layout.png").read_bytes()[:4] == b"\x89PNG"
+    assert dynmo_main(["simulate", "--trace", str(path), "--json", "--indent", "0", "--scale-blocks", "30",
+                       "--stages", "8", "--policies", "uniform,optimal+repack", "--when", "dynamism"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [p["policy"] for p in doc["policies"]] == ["uniform", "optimal+repack"]
+    assert doc["replay"]["stages"] == 8 and doc["trace"]["layers"] == 32
+    assert len(doc["policies"][1]["layouts"]) == 10
+    assert dynmo_main(["simulate", "--trace", str(path), "--policies", "bogus"]) == 2
+    assert "unknown policy" in capsys.readouterr().err
