@@ -42,7 +42,8 @@ def write_plots(results: Sequence[PolicyResult], out_dir: str | Path, title: str
 
     # stage loads: a heatmap per policy (stage x step), one colour scale for all
     vmax = max((max(max(l) for l in r.stage_loads) for r in results if r.stage_loads), default=1.0) * 1e3
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False, sharex=True)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False, sharex=True,
+                             layout="constrained")
     im = None
     for ax, r in zip(axes.flat, results):
         S = max(len(l) for l in r.stage_loads)
@@ -74,7 +75,8 @@ def write_plots(results: Sequence[PolicyResult], out_dir: str | Path, title: str
     paths.append(_save(fig, out / "bubble.png", plt))
 
     # layout over time: stage boundaries (layer index) vs step
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False, sharex=True, sharey=True)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False, sharex=True, sharey=True,
+                             layout="constrained")
     for ax, r in zip(axes.flat, results):
         steps = np.arange(len(r.layouts))
         width = max(len(b) for b in r.layouts)
@@ -103,6 +105,6 @@ def write_plots(results: Sequence[PolicyResult], out_dir: str | Path, title: str
 
 
 def _save(fig, path: Path, plt) -> Path:
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
