@@ -56,6 +56,16 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.drop(self.proj(F.gelu(self.fc(x))))
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # Structured pruning (dynmo/dynamics/prune.py) removes hidden units, so a migrated or
+        # restored MLP may be narrower than the config says: take the width of the weights.
+        w = state_dict.get(prefix + "fc.weight")
+        if w is not None and w.shape[0] != self.fc.out_features:
+            dev, dt = self.fc.weight.device, self.fc.weight.dtype
+            self.fc = nn.Linear(self.fc.in_features, w.shape[0], bias=self.fc.bias is not None, device=dev, dtype=dt)
+            self.proj = nn.Linear(w.shape[0], self.proj.out_features, bias=self.proj.bias is not None, device=dev, dtype=dt)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
 
 class Block(nn.Module):
     """Pre-norm transformer block (t)."""

@@ -1,0 +1,141 @@
+"""Gradual global magnitude pruning: the schedule, the distributed global mask against
+torch.nn.utils.prune.global_unstructured, the CSR kernel against masked dense, and the real
+launcher end to end (pruned weights stay zero through training and migration, densities and
+counted per-layer work in the metrics, structured pruning shrinks the matrices)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.nn.utils.prune as tprune
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from dynmo.config import ConfigError, ModelConfig, PruneConfig
+from dynmo.dynamics.prune import PRUNABLE, Pattern, _CSRLinear, check_options, global_keep, sparsity_at
+from dynmo.model.gpt import Block, LayerSpec, build_layer
+from tests.conftest import metrics, run_train
+
+
+def test_cubic_schedule_reaches_the_papers_sparsities():
+    p = PruneConfig(enabled=True, start_step=3000, every=1000, times=4, initial_sparsity=0.0, final_sparsity=0.9)
+    got = {t: sparsity_at(t, p) for t in range(0, 9000, 500) if sparsity_at(t, p) is not None}
+    assert sorted(got) == [3000, 4000, 5000, 6000, 7000]
+    assert [round(got[t], 2) for t in sorted(got)] == [0.0, 0.52, 0.79, 0.89, 0.9]
+    with pytest.raises(ConfigError, match="final_sparsity"):
+        check_options(PruneConfig(final_sparsity=1.0))
+    with pytest.raises(ConfigError, match="kernel"):
+        check_options(PruneConfig(kernel="bsr"))
+
+
+def blocks(n=3, d=32):
+    cfg = ModelConfig(d_model=d, n_heads=2, seq_len=16, n_layers=n, mlp_ratio=4)
+    return [build_layer(LayerSpec("t", i + 1), cfg, seed=7) for i in range(n)]
+
+
+def torch_global(model_blocks, amount):
+    params = [(b.get_submodule(name), "weight") for b in model_blocks for name in PRUNABLE]
+    tprune.global_unstructured(params, pruning_method=tprune.L1Unstructured, amount=amount)
+    return [m.weight_mask.bool() for m, _ in params]
+
+
+def test_global_keep_equals_global_unstructured_over_repeated_steps():
+    ours, ref = blocks(), blocks()
+    with torch.no_grad():  # layers of very different scale: global, not per-layer, pruning
+        for k, b in enumerate(ours + ref):
+            for name in PRUNABLE:
+                b.get_submodule(name).weight.mul_(1 + (k % 3))
+    lins = [b.get_submodule(name) for b in ours for name in PRUNABLE]
+    total = sum(l.weight.numel() for l in lins)
+    masks = None
+    pruned_before = 0
+    for s in (0.5, 0.8, 0.9):
+        scores = [l.weight.detach().abs() if masks is None else l.weight.detach().abs().masked_fill(~m, -1.0)
+                  for l, m in zip(lins, masks or [None] * len(lins))]
+        masks = global_keep(scores, total - round(s * total))
+        # torch prunes `amount` more of the still-unpruned entries (int amount = absolute count)
+        want = torch_global(ref, round(s * total) - pruned_before)
+        pruned_before = round(s * total)
+        assert all(torch.equal(a, b) for a, b in zip(masks, want))
+        assert sum(int(m.sum()) for m in masks) == total - round(s * total)
+        densities = [float(m.float().mean()) for m in masks]
+        assert max(densities) - min(densities) > 0.1  # global: layers differ
+
+
+def test_global_keep_keeps_exactly_k_with_ties():
+    scores = [torch.tensor([1.0, 2.0, 2.0, 2.0]), torch.tensor([[2.0, 0.5], [3.0, -1.0]])]
+    m = global_keep(scores, 4)
+    assert sum(int(x.sum()) for x in m) == 4 and bool(m[1][1, 0]) and not bool(m[1][1, 1])
+
+
+@pytest.mark.parametrize("density", [0.05, 0.3])
+def test_csr_kernel_equals_masked_dense_and_leaves_pruned_grads_zero(density):
+    torch.manual_seed(0)
+    w = torch.randn(48, 32)
+    mask = torch.rand(48, 32) < density
+    b = torch.randn(48)
+    x = torch.randn(2, 10, 32)
+    outs = []
+    for kernel in ("dense", "csr"):
+        wi, bi, xi = (t.clone().requires_grad_(True) for t in (w * mask, b, x))
+        y = F.linear(xi, wi * mask, bi) if kernel == "dense" else _CSRLinear.apply(xi, wi, bi, Pattern(mask))
+        (y * torch.linspace(-1, 1, 48)).sum().backward()
+        outs.append((y, xi.grad, wi.grad, bi.grad))
+    for a, c in zip(*outs):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
+    assert torch.equal(outs[1][2][~mask], torch.zeros(int((~mask).sum())))
+    assert Pattern(mask).nnz == int(mask.sum())
+
+
+# ---- end to end ---------------------------------------------------------------------------
+
+def flat(ckpt, tmp):
+    dcp_to_torch_save(str(ckpt), str(tmp / (ckpt.name + ".pt")))
+    return {k: v for k, v in torch.load(tmp / (ckpt.name + ".pt")).items() if not k.startswith("optim.")}
+
+
+PRUNE = ["--prune.enabled", "true", "--prune.start_step", "0", "--prune.every", "3", "--prune.times", "2",
+         "--prune.final_sparsity", "0.8"]  # pruning steps 3 (70%) and 6 (80%); step 0 would prune 0%
+NAMES = [f"block{b}.{n}.weight" for b in range(4) for n in PRUNABLE]
+
+
+def reference_masks(weights, amount, old=None):
+    """torch.nn.utils.prune.global_unstructured on the whole model's block weights."""
+    lins = [torch.nn.Linear(1, 1) for _ in NAMES]
+    for i, (lin, k) in enumerate(zip(lins, NAMES)):
+        lin.weight = torch.nn.Parameter(weights[k].clone())
+        if old is not None:
+            tprune.custom_from_mask(lin, "weight", old[i])
+    tprune.global_unstructured([(l, "weight") for l in lins], tprune.L1Unstructured, amount=amount)
+    return [l.weight_mask.bool() for l in lins]
+
+
+@pytest.mark.dist
+def test_distributed_pruning_mask_is_global_unstructured_and_survives_training_and_migration(tmp_path):
+    # checkpoint-k holds the weights before step k; a migration at step 5 moves pruned blocks
+    run_train(tmp_path, "--steps", "9", *PRUNE, "--prune.kernel", "auto", "--parallel.relayout", "5:0,2,6",
+              "--checkpoint.every", "3")
+    recs = metrics(tmp_path)
+    assert [r["step"] for r in recs if any(e["type"] == "dynamism" for e in r["events"])] == [3, 6]
+    w3, w6, w9 = (flat(tmp_path / f"checkpoint-{s}", tmp_path) for s in (3, 6, 9))
+    total = sum(w3[k].numel() for k in NAMES)
+    m1 = reference_masks(w3, round(0.7 * total))
+    # the distributed mask of step 3 is torch's, and training (and the migration) kept it
+    assert all(torch.equal(w6[k] != 0, m) for k, m in zip(NAMES, m1))
+    m2 = reference_masks(w6, round(0.8 * total) - round(0.7 * total), m1)
+    assert all(torch.equal(w9[k] != 0, m) for k, m in zip(NAMES, m2))
+    # E, L, norms and biases are never pruned
+    assert (w9["embed.tok.weight"] != 0).all() and (w9["head.lm_head.weight"] != 0).all()
+    per_block = total // 4
+    dens = recs[-1]["prune_density"]
+    assert dens[0] is None and dens[-1] is None
+    assert dens[1:-1] == [sum(int((w9[f"block{b}.{n}.weight"] != 0).sum()) for n in PRUNABLE) / per_block
+                          for b in range(4)]
+    assert sum(d * per_block for d in dens[1:-1]) == pytest.approx(0.2 * total, abs=0.5)
+    # one global threshold, not a per-layer quota: the residual projections (initialised
+    # 1/sqrt(2 n_layers) smaller) lose far more weights than qkv
+    d = {n: float((w9[f"block0.{n}.weight"] != 0).float().mean()) for n in PRUNABLE}
+    assert d["attn.proj"] < 0.5 * d["attn.qkv"] and d["mlp.proj"] < 0.5 * d["mlp.fc"]
+    assert [r["prune_density"][1:-1] for r in recs[:3]] == [[1.0] * 4] * 3
+    assert all(k in (0.0, 1.0) for k in recs[-1]["prune_kernel"][1:-1])
+    assert all(t > 0 for t in recs[-1]["prune_dense_ms"][1:-1] + recs[-1]["prune_csr_ms"][1:-1])
