@@ -82,4 +82,4 @@ class StepStats:
 
 
 # Register the block variants and the cases (after the helpers above: the modules import them).
-from dynmo.dynamics import case, hashattn, mod, moe  # noqa: E402,F401
+from dynmo.dynamics import case, earlyexit, freeze, hashattn, mod, moe, prune  # noqa: E402,F401
