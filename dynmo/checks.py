@@ -42,8 +42,22 @@ def parse_relayouts(cfg: Config, num_stages: int) -> dict[int, Layout]:
             step = int(step_s)
         except ValueError:
             raise ConfigError(f"parallel.relayout entry {entry!r}: step {step_s!r} is not an integer") from None
-        layout = explicit_layout(lay, cfg, num_stages, f"parallel.relayout entry {entry!r}")
+        where = f"parallel.relayout entry {entry!r}"
+        try:
+            layout = Layout.parse(lay, num_layers(cfg))
+        except LayoutError as e:
+            raise ConfigError(f"{where}: {e}") from None
+        if layout.num_stages != num_stages:
+            if layout.num_stages > num_stages:
+                raise ConfigError(f"{where}: layout {layout} has {layout.num_stages} stages, the pipeline has "
+                                  f"{num_stages} and cannot grow")
+            if cfg.parallel.virtual_stages != 1:
+                raise ConfigError(f"{where}: re-packing onto fewer stages needs one stage per rank "
+                                  f"(schedule gpipe or 1f1b), not {cfg.parallel.schedule}")
+            num_stages = layout.num_stages  # a re-pack: later entries apply to the shrunk pipeline
         out[step] = layout
+    if list(out) != sorted(out):
+        raise ConfigError("parallel.relayout entries must be in step order")
     return out
 
 
@@ -118,6 +132,14 @@ def validate(cfg: Config, world: int) -> None:
             f"balance.balancer {bc.balancer!r} cannot drive a pipeline; choose optimal, deepspeed, "
             "diffusion-contiguous or uniform (diffusion breaks contiguity)"
         )
+    if bc.repack and v != 1:
+        raise ConfigError(f"balance.repack needs one stage per rank (schedule gpipe or 1f1b), not {sched}")
+    if bc.repack and bc.when == "never":
+        raise ConfigError("balance.repack = true needs a controller: set balance.when to every, dynamism or auto")
+    if not bc.repack_tolerance >= 0:
+        raise ConfigError(f"balance.repack_tolerance must be >= 0, got {bc.repack_tolerance}")
+    if bc.memory_gb < 0:
+        raise ConfigError(f"balance.memory_gb must be >= 0 (0 = no cap), got {bc.memory_gb}")
     if bc.every < 1 or bc.window < 1:
         raise ConfigError("balance.every and balance.window must be >= 1")
     bad = [b for b in cfg.skew.blocks if not 0 <= b < m.n_layers]

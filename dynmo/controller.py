@@ -19,6 +19,21 @@ Triggers (`when`):
 The predicted saving of one step is (bottleneck_now − bottleneck_new) × slots, where slots =
 microbatches + stages − 1 is how many bottleneck-stage slots a 1F1B/GPipe step waits through.
 The migration cost model is fixed + bytes / bandwidth, re-fitted from every migration measured.
+
+Re-packing (`repack=True`, paper Algorithm 1's optional step): at a decision point, if the
+fewest workers whose optimal bottleneck stays within (1 + repack_tolerance) of the best
+all-worker bottleneck (`dynmo.balance.repack`, ours) are fewer than today's, the decision is
+that smaller layout; the runtime keeps pipeline positions 0..k-1 and releases the rest. With
+identical workers any k of them are equivalent, so keeping the prefix loses nothing; with
+measured per-worker speeds the balancer gets the kept workers' speeds. Workers never come
+back, so `auto` re-packs only from a full forecast window.
+
+Re-tuning microbatches after a re-pack (`retune_microbatches`): the paper's DynMo keeps the
+microbatch count (its appendix E.4 names this as a gap). A shorter pipeline needs fewer
+microbatches to hide its fill/drain bubble, and fewer, larger microbatches cost less fixed
+per-microbatch overhead. We pick the fewest microbatches m' that divide the local batch and
+keep both the schedule's inherent bubble, (p'-1)/(m'+p'-1), and the activations a 1F1B stage
+holds in flight, min(m', p')/m' of the local batch, no worse than before the re-pack.
 """
 
 from __future__ import annotations
@@ -27,7 +42,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from statistics import median
 
-from dynmo.balance import Problem, balance
+from dynmo.balance import Problem, balance, repack
 from dynmo.layout import Layout
 
 WHEN = ("never", "every", "dynamism", "auto")
@@ -42,6 +57,20 @@ class Decision:
     predicted_cost_s: float  # migration
     reason: str
     decide_s: float = 0.0
+    released: int = 0  # pipeline positions released by a re-pack (per replica)
+
+
+def retune_microbatches(local_batch: int, microbatches: int, stages: int, new_stages: int) -> int:
+    """Fewest microbatches for `new_stages` stages that keep the inherent bubble and the
+    in-flight activations of `microbatches` on `stages` stages (see the module docstring)."""
+    bubble = (stages - 1) / (microbatches + stages - 1)
+    held = min(microbatches, stages) / microbatches
+    for m in range(1, local_batch + 1):
+        if local_batch % m:
+            continue
+        if (new_stages - 1) / (m + new_stages - 1) <= bubble + 1e-12 and min(m, new_stages) / m <= held + 1e-12:
+            return m
+    return microbatches
 
 
 @dataclass
@@ -53,6 +82,8 @@ class Controller:
     min_gain: float = 0.05
     horizon: int = 50
     microbatches: int = 4
+    repack: bool = False
+    repack_tolerance: float = 0.05
     # migration cost model: seconds = fixed_s + bytes / bandwidth
     fixed_s: float = 0.01  # prior until the first migration is measured (~10 ms seen here)
     bandwidth: float = 1e9
@@ -103,6 +134,10 @@ class Controller:
         costs = self.forecast()
         if costs is None or len(self.history) < self.window and self.when == "auto":
             return None
+        if self.repack and current.num_stages > 1:
+            d = self._repack(costs, current, layer_bytes, steps_left)
+            if d is not None:
+                return d
         result = balance(Problem(costs=costs, stages=current.num_stages, current=list(current.boundaries)), self.balancer)
         if result.boundaries is None:
             raise ValueError(f"balancer {self.balancer!r} gave a non-contiguous layout; pipelines need a contiguous one")
@@ -117,3 +152,17 @@ class Controller:
         if self.when == "auto" and (now - result.bottleneck < self.min_gain * now or gain <= cost):
             return None
         return decision
+
+    def _repack(self, costs: list[float], current: Layout, layer_bytes: list[int], steps_left: int) -> Decision | None:
+        p = current.num_stages
+        packed = repack(Problem(costs=costs, stages=p, current=list(current.boundaries)), self.repack_tolerance)
+        k = len(packed.workers)
+        if k >= p:
+            return None
+        result = balance(Problem(costs=costs, stages=k), self.balancer)
+        new = Layout(tuple(result.boundaries))
+        now = max(current.stage_loads(costs))
+        cost = self.migration_cost(layer_bytes, current, new)
+        slots_now, slots_new = self.microbatches + p - 1, self.microbatches + k - 1
+        gain = (now * slots_now - result.bottleneck * slots_new) * max(0, min(self.horizon, steps_left))
+        return Decision(new, result.bottleneck, now, gain, cost, f"repack {p}->{k}", released=p - k)

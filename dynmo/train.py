@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from dynmo import checks
 from dynmo.config import Config, ConfigError, load_config, to_toml
-from dynmo.controller import Controller
+from dynmo.controller import Controller, retune_microbatches
 from dynmo.data import TokenData, prepare
 from dynmo.dynamics.case import CASES, Case, merge_layer_stats
 from dynmo.layout import Layout, imbalance
@@ -68,7 +68,8 @@ class Trainer:
         b = cfg.balance
         self.controller = Controller(
             when=b.when, every=b.every, balancer=b.balancer, window=b.window, min_gain=b.min_gain,
-            horizon=b.horizon, microbatches=cfg.train.microbatches,
+            horizon=b.horizon, microbatches=cfg.train.microbatches, repack=b.repack,
+            repack_tolerance=b.repack_tolerance,
         )
         self.param_counts = layer_param_counts(cfg.model)
         # dynamic-model cases (dynmo.dynamics.case): same list, same order on every rank
@@ -82,7 +83,26 @@ class Trainer:
     def _forced_relayout(self, trainer: "Trainer", step: int) -> list[dict]:
         if step not in self.relayouts:
             return []
-        return [self.pipe.relayout(self.relayouts[step]).as_event() | {"reason": "forced"}]
+        return [self._migrate(self.relayouts[step]) | {"reason": "forced"}]
+
+    def _migrate(self, layout: Layout) -> dict:
+        """Apply a layout on every active rank (a re-pack if it has fewer stages)."""
+        pipe = self.pipe
+        old_stages, m = pipe.num_stages, pipe.microbatches
+        microbatches = None
+        if layout.num_stages < old_stages and self.cfg.balance.retune_microbatches:
+            local = self.cfg.train.global_batch // self.ctx.dp
+            microbatches = retune_microbatches(local, m, old_stages, layout.num_stages)
+        rep = pipe.relayout(layout, microbatches=microbatches)
+        event = rep.as_event()
+        if layout.num_stages < old_stages:
+            event |= {"repacked": True, "stages": [old_stages, layout.num_stages], "microbatches": [m, pipe.microbatches]}
+            if pipe.released:
+                print(f"dynmo: rank {self.ctx.rank} released (re-packed onto {layout.num_stages} stages); exiting", flush=True)
+            else:
+                self.ctx = pipe.ctx
+                self.controller.microbatches = pipe.microbatches
+        return event
 
     def _skew(self, trainer: "Trainer", step: int) -> list[dict]:
         sk = self.cfg.skew
@@ -114,9 +134,9 @@ class Trainer:
         if obj[0] is None:
             return []
         boundaries, decision = obj[0]
-        rep = self.pipe.relayout(Layout(tuple(boundaries)))
+        event = self._migrate(Layout(tuple(boundaries)))
         ctl.history.clear()  # costs measured under the old layout include its stage effects
-        event = rep.as_event() | {
+        event |= {
             "reason": f"balance.when={ctl.when}",
             "balancer": ctl.balancer,
             "current_bottleneck_s": decision.current_bottleneck,
@@ -167,6 +187,10 @@ class Trainer:
             events: list[dict] = []
             for hook in self.hooks:
                 events += hook(self, step) or []
+                if self.pipe.released:
+                    break
+            if self.pipe.released:
+                return {"released": True, "rank": ctx.rank, "step": step}
             x, y = self._local_batch(step)
             res = self.pipe.train_step(step, x, y)
             for c in self.cases:
@@ -192,8 +216,10 @@ class Trainer:
             "mean_tokens_per_s": (sum(speeds[1:]) / len(speeds[1:]) if len(speeds) > 1 else (speeds or [None])[0]),
             "final_layout": list(self.pipe.layout.boundaries),
             "world": ctx.world,
-            "pp": ctx.pp,
+            "workers": self.ctx.active_world,
+            "pp": self.ctx.pp,
             "dp": ctx.dp,
+            "microbatches": self.pipe.microbatches,
             "schedule": cfg.parallel.schedule,
         }
         if log:
@@ -223,7 +249,7 @@ class Trainer:
         L = S + 6
         for i, (f, b) in res.layer_times.items():
             vec[L + i], vec[L + n + i] = f, b
-        parts = [torch.zeros_like(vec) for _ in range(self.ctx.world)]
+        parts = [torch.zeros_like(vec) for _ in range(self.ctx.active_world)]
         dist.all_gather(parts, vec, group=self.ctx.active_group)
         allv = torch.stack(parts)  # [world, S + 6 + 2n]
         dp, pp = self.ctx.dp, self.ctx.pp
@@ -239,12 +265,12 @@ class Trainer:
                 e["bytes"] = int(allv[:, S + 4].sum())
                 e["seconds"] = float(allv[:, S + 5].max())
         tokens = self.cfg.train.global_batch * self.cfg.model.seq_len
-        per_mb = dp * self.cfg.train.microbatches  # each layer runs once per microbatch per replica
+        per_mb = dp * self.pipe.microbatches  # each layer runs once per microbatch per replica
         layer_fwd = (allv[:, L : L + n].sum(0) / per_mb).tolist()
         layer_bwd = (allv[:, L + n : L + 2 * n].sum(0) / per_mb).tolist()
         stats: dict[str, list] = {}
         if self.cases:
-            parts: list = [None] * self.ctx.world
+            parts: list = [None] * self.ctx.active_world
             mine: dict = {}
             for c in self.cases:
                 mine.update(c.layer_stats())
@@ -263,6 +289,8 @@ class Trainer:
             "worker_compute_s": worker_compute,
             "worker_idle_s": worker_idle,
             "bubble_ratio": sum(worker_idle) / (pp * iteration) if iteration > 0 else 0.0,
+            "workers": self.ctx.active_world,
+            "microbatches": self.pipe.microbatches,
             "imbalance": imbalance(stage_compute),
             "layer_fwd_s": layer_fwd,
             "layer_bwd_s": layer_bwd,
@@ -293,10 +321,13 @@ def main(argv: list[str] | None = None) -> int:
     cfg.parallel.pp = checks.resolve_pp(cfg, world)
     ctx = rdist.init(cfg.parallel.dp, cfg.parallel.pp, cfg.parallel.backend)
     try:
-        Trainer(cfg, ctx).run()
+        trainer = Trainer(cfg, ctx)
+        summary = trainer.run()
+        if summary.get("released"):
+            return 0  # nothing left to do here; the others train on (no collective with them)
         # Meet before tearing down: a rank that destroys its gloo groups while a peer still has
         # traffic in flight can abort ("terminate called without an active exception").
-        dist.barrier()
+        dist.barrier(group=trainer.ctx.active_group)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -36,13 +36,14 @@ def _state_dict(pipe: Pipeline, with_optim: bool) -> dict[str, torch.Tensor]:
 
 
 def save(pipe: Pipeline, path: Path, step: int, cfg: Config) -> None:
-    """Collective over all ranks. `step` = number of steps already trained."""
+    """Collective over the active ranks. `step` = number of steps already trained."""
     path.mkdir(parents=True, exist_ok=True)
     has_optim = any(pipe.optimizer.state.get(p) for layer in pipe.layers.values() for p in layer.parameters())
     flag = torch.tensor([1.0 if has_optim else 0.0])
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    group = pipe.ctx.active_group  # after a re-pack, the released ranks are gone
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     # Data-parallel replicas hold identical copies; DCP writes each key once.
-    dcp.save(_state_dict(pipe, with_optim=True), checkpoint_id=str(path))
+    dcp.save(_state_dict(pipe, with_optim=True), checkpoint_id=str(path), process_group=group)
     if dist.get_rank() == 0:
         meta = {
             "step": step,
@@ -54,7 +55,7 @@ def save(pipe: Pipeline, path: Path, step: int, cfg: Config) -> None:
         }
         (path / "dynmo.json").write_text(json.dumps(meta, indent=2) + "\n")
         (path / "config.toml").write_text(to_toml(cfg))
-    dist.barrier()
+    dist.barrier(group=group)
 
 
 def load(pipe: Pipeline, path: Path) -> int:

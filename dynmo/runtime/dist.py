@@ -25,13 +25,54 @@ class DistContext:
     dp_group: dist.ProcessGroup | None
     # Ranks still training (all, until re-packing releases some) and their group.
     active_group: dist.ProcessGroup
+    active_ranks: list[int] | None = None  # global ranks, ascending; None = all
+
+    @property
+    def active_world(self) -> int:
+        return self.world if self.active_ranks is None else len(self.active_ranks)
 
     @property
     def is_logger(self) -> bool:
         return self.rank == 0
 
-    def pp_global_rank(self, pp_rank: int) -> int:
-        return self.dp_rank * self.pp + pp_rank
+    def _global(self, replica: int, position: int) -> int:
+        """Global rank of pipeline position `position` of replica `replica`."""
+        return self.active_ranks[replica * self.pp + position] if self.active_ranks else replica * self.pp + position
+
+    def shrink_ranks(self, keep: list[int]) -> list[int]:
+        """Global ranks that stay when every replica keeps pipeline positions `keep`."""
+        return sorted(self._global(r, k) for r in range(self.dp) for k in keep)
+
+    def shrink(self, keep: list[int]) -> "DistContext | None":
+        """Keep pipeline positions `keep` (ascending, 0 among them) in every replica.
+
+        Returns the context of the shrunk job, or None on a released rank. Only the members of
+        each new group create it (`use_local_synchronization=True`; `split_group` does not
+        work on gloo), and every rank creates its groups in the same global order: pipeline
+        groups by replica, then data-parallel groups by position, then the active group. The
+        old groups stay alive, unused, until the end (destroying a group is collective).
+        """
+        if 0 not in keep or sorted(set(keep)) != list(keep):
+            raise ValueError(f"pipeline positions to keep must be ascending and include 0, got {keep}")
+        ranks_of = [[self._global(r, k) for k in keep] for r in range(self.dp)]
+        active = self.shrink_ranks(keep)
+        if self.rank not in active:
+            return None
+
+        def group(ranks: list[int]) -> dist.ProcessGroup:
+            return dist.new_group(ranks=ranks, use_local_synchronization=True)
+
+        pp_group = group(ranks_of[self.dp_rank])
+        dp_group = None
+        j = keep.index(self.pp_rank)
+        if self.dp > 1:
+            dp_group = group([ranks_of[r][j] for r in range(self.dp)])
+        active_group = group(active) if len(active) < self.world else dist.group.WORLD
+        return DistContext(
+            rank=self.rank, world=self.world, device=self.device, backend=self.backend, dp=self.dp,
+            pp=len(keep), dp_rank=self.dp_rank, pp_rank=j, pp_group=pp_group, dp_group=dp_group,
+            active_group=active_group, active_ranks=active,
+        )
 
 
 def choose_backend(requested: str) -> str:

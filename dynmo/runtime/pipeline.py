@@ -45,8 +45,9 @@ class MigrationReport:
     old: list[int]
     new: list[int]
     moves: list[dict] = field(default_factory=list)  # {"layer", "name", "from", "to"} (stages)
-    bytes: int = 0  # payload bytes sent by this rank (summed over ranks in the metrics)
+    bytes: int = 0  # payload bytes received by this rank (summed over ranks in the metrics)
     seconds: float = 0.0
+    released: list[int] = field(default_factory=list)  # global ranks released by a re-pack
 
     def as_event(self) -> dict:
         return {
@@ -57,7 +58,7 @@ class MigrationReport:
             "moves": self.moves,
             "bytes": self.bytes,
             "seconds": self.seconds,
-        }
+        } | ({"released_ranks": self.released} if self.released else {})
 
 
 class Pipeline:
@@ -69,7 +70,9 @@ class Pipeline:
         self.placement = stage_to_rank(self.num_stages, ctx.pp, self.kind.style)
         self._check_layout(layout)
         self.layout = layout
+        self.microbatches = cfg.train.microbatches  # per replica per step; re-tuned after a re-pack
         self.microbatch = cfg.train.global_batch // ctx.dp // cfg.train.microbatches
+        self.released = False  # set when a re-pack took all this rank's layers away
         self.layers: dict[int, nn.Module] = {
             i: build_layer(self.specs[i], cfg.model, cfg.train.seed, ctx.device) for i in self._my_layers(layout)
         }
@@ -124,7 +127,7 @@ class Pipeline:
                 )
             )
         stage_arg = self.stages if self.kind.multi else self.stages[0]
-        self.schedule = self.kind.cls(stage_arg, self.cfg.train.microbatches, loss_fn=loss_fn)
+        self.schedule = self.kind.cls(stage_arg, self.microbatches, loss_fn=loss_fn)
 
     # ---- one step ---------------------------------------------------------------------
     def train_step(self, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> StepResult:
@@ -188,37 +191,76 @@ class Pipeline:
         return float(sum(l.item() for l in losses)) / len(losses) if losses else None
 
     # ---- migration ----------------------------------------------------------------------
-    def relayout(self, new: Layout) -> MigrationReport:
-        """Move layers so that `new` holds. Call on every rank between two steps."""
-        self._check_layout(new)
+    def relayout(self, new: Layout, microbatches: int | None = None) -> MigrationReport:
+        """Move layers so that `new` holds. Call on every active rank between two steps.
+
+        A layout with fewer stages than the pipeline is a re-pack (one stage per rank only):
+        stage j goes to pipeline position j, the positions past the last stage hand over all
+        their layers and are released; every data-parallel replica shrinks alike.
+        `microbatches` re-tunes the microbatch count (a re-pack may allow fewer).
+        """
+        repack = new.num_stages < self.num_stages
+        if repack:
+            if self.cfg.parallel.virtual_stages != 1:
+                raise LayoutError("re-packing onto fewer stages needs one stage per rank (gpipe or 1f1b)")
+            keep = list(range(new.num_stages))
+            if new.num_layers != len(self.specs):
+                raise LayoutError(f"layout {new} covers {new.num_layers} layers, the model has {len(self.specs)}")
+            dst_rank = [keep[s] for s in new.owner()]
+        else:
+            self._check_layout(new)
+            dst_rank = self.layer_ranks(new)
         old = self.layout
         report = MigrationReport(list(old.boundaries), list(new.boundaries))
-        if new == old:
+        if new == old and microbatches in (None, self.microbatches):
             return report
         t0 = time.perf_counter()
         states = {i: optim.layer_state(self.optimizer, self.layers[i]) for i in self.layers}
-        src_rank, dst_rank = self.layer_ranks(old), self.layer_ranks(new)
+        src_rank = self.layer_ranks(old)
         me, group, dev = self.ctx.pp_rank, self.ctx.pp_group, self.ctx.device
         # Every rank walks the same global order, so each blocking send meets its receive.
-        for mv in old.moves_to(new):
-            i = mv.layer
-            report.moves.append({"layer": i, "name": self.specs[i].name, "from": mv.src, "to": mv.dst})
+        for i in range(len(self.specs)):
             src, dst = src_rank[i], dst_rank[i]
+            a, b = old.owner()[i], new.owner()[i]
+            if a != b or src != dst:
+                report.moves.append({"layer": i, "name": self.specs[i].name, "from": a, "to": b})
             if src == dst:
-                continue  # between two virtual stages of this rank: nothing to ship
+                continue  # same rank (maybe another virtual stage of it): nothing to ship
             if me == src:
-                report.bytes += send_packet(self._pack_layer(i, states.pop(i)), dst, group, dev)
+                send_packet(self._pack_layer(i, states.pop(i)), dst, group, dev)
                 del self.layers[i]
             elif me == dst:
                 pkt = recv_packet(src, group, dev)
+                report.bytes += pkt.nbytes  # counted where received: a released sender leaves
                 self.layers[i], states[i] = self._unpack_layer(pkt)
         self.layout = new
+        if repack:
+            stay = self.ctx.shrink_ranks(keep)
+            report.released = [r for r in (self.ctx.active_ranks or range(self.ctx.world)) if r not in stay]
+            ctx = self.ctx.shrink(keep)
+            if ctx is None:  # released: this rank holds nothing any more
+                self.released, self.stages, self.schedule = True, [], None
+                self.optimizer = None
+                report.seconds = time.perf_counter() - t0
+                return report
+            self.ctx = ctx
+            self.num_stages = new.num_stages
+            self.placement = stage_to_rank(self.num_stages, ctx.pp, self.kind.style)
+        if microbatches is not None:
+            self.set_microbatches(microbatches)
         self.optimizer = optim.build_optimizer(self._named_layers(), self.cfg.train, dev)
         for i, layer in self.layers.items():
             optim.load_layer_state(self.optimizer, layer, states.get(i, {}))
         self._build_schedule()
         report.seconds = time.perf_counter() - t0
         return report
+
+    def set_microbatches(self, m: int) -> None:
+        local = self.cfg.train.global_batch // self.ctx.dp
+        if m < 1 or local % m:
+            raise ValueError(f"{m} microbatches do not divide the local batch of {local} sequences")
+        self.microbatches = m
+        self.microbatch = local // m
 
     def _pack_layer(self, i: int, state: dict) -> Packet:
         layer = self.layers[i]
