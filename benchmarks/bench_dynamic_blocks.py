@@ -1,0 +1,150 @@
+"""Counted work vs measured time of the dynamic blocks (MoE, Mixture of Depths, hash-sparse
+attention), one block on one process and one thread, like one pipeline rank.
+
+    python benchmarks/bench_dynamic_blocks.py [--repeats 7] [--d-model 256] [--seq-len 128] [--batch 4]
+
+Per case the routing / capacity / hashing is varied on purpose, and each row prints the block's
+own counted work (from `block.last_stats`) next to its measured forward + backward time
+(median of --repeats). The last line of each case fits time = a + b * work and gives the
+correlation, so "the layer's time follows its counted work" is a measured claim:
+
+  moe       expert_rows (experts padded to the busiest expert) vs block time, the router pushed
+            from balanced towards one expert;
+  mod       rows (batch x chosen tokens) vs block time, per capacity; the dense block for scale;
+  hashattn  computed tiles / causal tiles vs attention time, per number of LSH buckets; dense
+            causal attention (SDPA) for scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from dynmo.config import HashAttnConfig, MoDConfig, MoEConfig, ModelConfig
+from dynmo.model.gpt import Block, build_layer, LayerSpec
+import dynmo.dynamics  # noqa: F401  registers the blocks
+from dynmo.dynamics.moe import MoEBlock
+
+
+def fwd_bwd_s(fns: list, params: list[list], repeats: int) -> list[float]:
+    """Median seconds of one forward + backward of each `fns[i]()` (returns a tensor).
+
+    The variants are timed round-robin, so a burst of load from other processes on this
+    shared machine hits all of them alike instead of one variant's whole series.
+    """
+    times: list[list[float]] = [[] for _ in fns]
+    for r in range(repeats + 1):  # one warm-up round
+        for k, (fn, ps) in enumerate(zip(fns, params)):
+            for p in ps:
+                p.grad = None
+            t = time.perf_counter()
+            fn().float().square().mean().backward()
+            if r:
+                times[k].append(time.perf_counter() - t)
+    return [statistics.median(ts) for ts in times]
+
+
+def fit(work: list[float], secs: list[float]) -> str:
+    n = len(work)
+    mw, ms = sum(work) / n, sum(secs) / n
+    cov = sum((w - mw) * (s - ms) for w, s in zip(work, secs))
+    vw = sum((w - mw) ** 2 for w in work)
+    vs = sum((s - ms) ** 2 for s in secs)
+    b = cov / vw if vw else 0.0
+    r = cov / (vw * vs) ** 0.5 if vw and vs else float("nan")
+    return f"fit: time = {1e3 * (ms - b * mw):.2f} ms + {1e6 * b:.3f} us x work, correlation r = {r:.3f}"
+
+
+def model_cfg(args, **kw) -> ModelConfig:
+    return ModelConfig(**{"d_model": args.d_model, "n_heads": 4, "seq_len": args.seq_len, "n_layers": 8, "mlp_ratio": 4, **kw})
+
+
+def bench_moe(args) -> None:
+    cfg = model_cfg(args, block="moe", moe=MoEConfig(num_experts=8, top_k=2))
+    B, T, D = args.batch, args.seq_len, args.d_model
+    x = torch.randn(B, T, D, generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(B, T, dtype=torch.bool)
+    skews = [0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0]
+    blocks, stats = [], []
+    for skew in skews:
+        block: MoEBlock = build_layer(LayerSpec("t", 1), cfg, seed=0)
+        with torch.no_grad():  # push expert 0's router row along the tokens' shared direction
+            h = block.ln2(x + block.attn(block.ln1(x))).reshape(-1, D).mean(0)
+            block.moe.router.weight[0] += skew * h / h.norm()
+        block(x, mask)
+        blocks.append(block)
+        stats.append(dict(block.last_stats))
+    secs = fwd_bwd_s([lambda b=b: b(x, mask)[0] for b in blocks], [list(b.parameters()) for b in blocks], args.repeats)
+    print(f"\nMoE: 8 experts, top-2, dropless, d_model {D}, {B}x{T} tokens per microbatch "
+          f"(balanced load {B * T * 2 // 8} per expert)")
+    print(f"{'router skew':>12} {'imbalance':>10} {'max load':>9} {'expert_rows':>12} {'useful_rows':>12} {'fwd+bwd ms':>11}")
+    for skew, s, t in zip(skews, stats, secs):
+        print(f"{skew:>12.2f} {s['routing_imbalance']:>10.2f} {max(s['tokens_per_expert']):>9} "
+              f"{s['expert_rows']:>12} {s['useful_rows']:>12} {1e3 * t:>11.2f}")
+    print(f"  {fit([s['expert_rows'] for s in stats], secs)}  (work = expert_rows)")
+
+
+def bench_mod(args) -> None:
+    B, T, D = args.batch, args.seq_len, args.d_model
+    x = torch.randn(B, T, D, generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(B, T, dtype=torch.bool)
+    caps = [0.0625, 0.125, 0.25, 0.5, 0.75, 1.0]
+    blocks = [build_layer(LayerSpec("t", 1), model_cfg(args), seed=0), *[
+        build_layer(LayerSpec("t", 1), model_cfg(args, block="mod", mod=MoDConfig(capacity=c)), seed=0) for c in caps]]
+    stats = []
+    for b in blocks[1:]:
+        b(x, mask)
+        stats.append(dict(b.last_stats))
+    secs = fwd_bwd_s([lambda b=b: b(x, mask)[0] for b in blocks], [list(b.parameters()) for b in blocks], args.repeats)
+    t_dense, secs = secs[0], secs[1:]
+    print(f"\nMixture of Depths: d_model {D}, {B}x{T} tokens per microbatch; dense block {1e3 * t_dense:.2f} ms")
+    print(f"{'capacity':>9} {'rows':>6} {'attn_pairs':>11} {'fwd+bwd ms':>11} {'vs dense':>9}")
+    for c, s, t in zip(caps, stats, secs):
+        print(f"{c:>9.4f} {s['rows']:>6} {s['attn_pairs']:>11} {1e3 * t:>11.2f} {t / t_dense:>9.2f}")
+    print(f"  {fit([s['rows'] for s in stats], secs)}  (work = rows)")
+
+
+def bench_hashattn(args) -> None:
+    B, T, D, chunk = args.batch, args.hash_seq_len, args.d_model, args.chunk
+    x = torch.randn(B, T, D, generator=torch.Generator().manual_seed(2))
+    buckets = [1, 2, 4, 8, 16]
+    dense = Block(model_cfg(args, seq_len=T)).attn
+    attns = [build_layer(LayerSpec("t", 1), model_cfg(args, seq_len=T, block="hashattn",
+                                                      hashattn=HashAttnConfig(n_buckets=nb, chunk=chunk)), seed=0).attn
+             for nb in buckets]
+    infos = [a(x)[1] for a in attns]
+    fns = [lambda: dense(x)] + [lambda a=a: a(x)[0] for a in attns]
+    secs = fwd_bwd_s(fns, [list(dense.parameters())] + [list(a.parameters()) for a in attns], args.repeats)
+    t_dense, secs = secs[0], secs[1:]
+    n = T // chunk
+    print(f"\nHash-sparse attention: d_model {D}, 4 heads, {B}x{T} tokens, tiles of {chunk} "
+          f"({n * (n + 1) // 2} causal tiles per head and sequence); dense causal SDPA {1e3 * t_dense:.2f} ms")
+    print(f"{'buckets':>8} {'computed':>9} {'of causal':>10} {'skipped':>8} {'attn fwd+bwd ms':>16} {'vs SDPA':>8}")
+    for nb, info, t in zip(buckets, infos, secs):
+        frac = info["blocks_computed"] / info["blocks_causal"]
+        print(f"{nb:>8} {info['blocks_computed']:>9} {info['blocks_causal']:>10} {1 - frac:>8.3f} "
+              f"{1e3 * t:>16.2f} {t / t_dense:>8.2f}")
+    print(f"  {fit([i['blocks_computed'] for i in infos], secs)}  (work = computed tiles)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--seq-len", type=int, default=128, help="MoE and MoD sequence length")
+    ap.add_argument("--hash-seq-len", type=int, default=512, help="hash attention sequence length")
+    ap.add_argument("--chunk", type=int, default=32, help="hash attention tile size")
+    ap.add_argument("--batch", type=int, default=4, help="sequences per microbatch")
+    ap.add_argument("--cases", default="moe,mod,hashattn")
+    args = ap.parse_args()
+    torch.set_num_threads(1)  # one pipeline rank's share of this machine
+    print(f"torch {torch.__version__}, 1 thread; time = median of {args.repeats} forward+backward runs")
+    for case in args.cases.split(","):
+        {"moe": bench_moe, "mod": bench_mod, "hashattn": bench_hashattn}[case.strip()](args)
+
+
+if __name__ == "__main__":
+    main()
