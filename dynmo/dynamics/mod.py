@@ -20,10 +20,10 @@ model. With `routing = "predictor"` the block routes causally: a token goes thro
 predictor says so (the work per block then varies with the predictor, padded to the busiest
 sequence of the microbatch).
 
-Capacity may differ per block (`capacities`, indexed by block number). A block does not know
-its number when built (`build_layer` passes only the config); the runtime sets
-`layer.index = spec.index - 1` after building it. Without `capacities`, every block uses
-`capacity` and the index is not needed.
+Capacity may differ per block (`capacities`, indexed by block number). The constructor gets
+only the config; `dynmo.model.gpt.tag_layer` sets `layer.index = spec.index - 1` when
+`build_layer` builds the block and when a migrated block is rebuilt on its new rank. Without
+`capacities`, every block uses `capacity` and the index is not needed.
 
 Only active tokens (mask True) can be chosen; the mask passes through unchanged.
 
@@ -53,7 +53,7 @@ from dynmo.model.gpt import MLP, CausalSelfAttention, register_block
 class MoDBlock(nn.Module):
     """Pre-norm block that processes only the router's top-k tokens of each sequence."""
 
-    index: int | None = None  # block number (0-based); set by the runtime, needed only for `capacities`
+    index: int | None = None  # block number (0-based); set by gpt.tag_layer, needed only for `capacities`
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -81,7 +81,8 @@ class MoDBlock(nn.Module):
             return self.opts.capacity
         if self.index is None:
             raise RuntimeError(
-                "mod.capacities is per block: set `layer.index = spec.index - 1` on each MoD block after building it"
+                "mod.capacities is per block but this block's layer.index is unset; build it with "
+                "dynmo.model.gpt.build_layer (or tag_layer it) so it knows its block number"
             )
         if not 0 <= self.index < len(caps):
             raise ValueError(f"mod.capacities has {len(caps)} entries, no entry for block {self.index}")
