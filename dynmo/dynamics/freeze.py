@@ -1,1 +1,211 @@
-"""placeholder"""
+"""Egeria-style layer freezing (Wang et al. 2022; the paper's F.4), a `Case`.
+
+Training progress of a block is its *plasticity* against a reference copy of itself, refreshed
+every `freeze.every` steps (Egeria keeps the reference model on the CPU and refreshes it
+periodically): on an input the block really saw this step (the first microbatch's),
+
+    plasticity = ||f_now(x) - f_ref(x)|| / ||f_now(x) - x||
+
+the change of the block's residual update over the last `every` steps, relative to the update
+itself. A block whose plasticity is below `freeze.tolerance` has converged.
+
+Blocks freeze front to back, as in Egeria: at each check (steps start_step, start_step +
+every, ...), the first not-yet-frozen block freezes if it has converged, then the next, and so
+on, at most `freeze.max_frozen` blocks (-1: all but the last). Front-first matters: the blocks
+before a trainable block must still back-propagate to it, so a frozen block in the middle saves
+less. Here the embedding stays trainable, so frozen blocks still run their input-gradient
+backward; what they skip is the weight-gradient computation (about half of a block's backward),
+the data-parallel gradient all-reduce, the gradient-norm and the optimizer update.
+
+Freezing a block: `requires_grad_(False)` on its parameters (autograd then computes no weight
+gradient; `Pipeline._sync_data_parallel_grads` and the grad norm only see params with a grad),
+its gradients dropped, the optimizer rebuilt without them (their AdamW state is released).
+
+Decisions are global and identical on every rank: each rank measures the plasticity of the
+blocks it holds, one all-reduce over the active ranks (data-parallel replicas averaged) gives
+every rank the same vector, and every rank applies the same front-to-back rule. The set of
+frozen blocks is therefore known everywhere, and a migrated block is re-frozen on arrival
+(`unpack_layer`); its reference copy travels with it.
+
+Works with every schedule: the zero-bubble ones (interleavedzb, zbv) skip parameters that need
+no gradient when they run the weight-gradient pass.
+
+Per-layer metrics: freeze_frozen (0/1), freeze_progress (last plasticity measured),
+freeze_wgrad_elems (weight-gradient elements accumulated in the step, counted by
+post-accumulate-grad hooks; 0 for a frozen block. Zero-bubble schedules assign weight
+gradients without accumulation hooks, so there it reads 0 for every block).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.func import functional_call
+
+from dynmo.config import ConfigError, FreezeConfig
+from dynmo.dynamics.case import Case, register_case
+from dynmo.runtime import optim
+
+
+def check_options(f: FreezeConfig, n_blocks: int) -> None:
+    if f.every < 1 or f.start_step < 0:
+        raise ConfigError(f"freeze.every={f.every} must be >= 1 and freeze.start_step={f.start_step} >= 0")
+    if not f.tolerance > 0:
+        raise ConfigError(f"freeze.tolerance={f.tolerance} must be > 0 (plasticity below it counts as converged)")
+    if f.max_frozen < -1 or f.max_frozen > n_blocks:
+        raise ConfigError(f"freeze.max_frozen={f.max_frozen}: use -1 (all but the last block) or 0..{n_blocks}")
+
+
+@torch.no_grad()
+def plasticity(block: nn.Module, ref: dict[str, torch.Tensor], x: torch.Tensor, mask: torch.Tensor) -> float:
+    """||f_now(x) - f_ref(x)|| / ||f_now(x) - x||: how much the block's function moved since `ref`."""
+    now = block(x, mask)[0]
+    old = functional_call(block, ref, (x, mask), strict=True)[0]
+    return float((now - old).norm() / (now - x).norm().clamp_min(1e-12))
+
+
+def freeze_layer(layer: nn.Module) -> None:
+    for p in layer.parameters():
+        p.requires_grad_(False)
+        p.grad = None
+
+
+@register_case("freeze")
+class Freeze(Case):
+    @classmethod
+    def enabled(cls, cfg) -> bool:
+        return cfg.freeze.enabled
+
+    def __init__(self, trainer):
+        super().__init__(trainer)
+        self.opts: FreezeConfig = trainer.cfg.freeze
+        n_blocks = trainer.cfg.model.n_layers
+        check_options(self.opts, n_blocks)
+        self.max_frozen = n_blocks - 1 if self.opts.max_frozen < 0 else self.opts.max_frozen
+        n = len(trainer.pipe.specs)
+        self.frozen = [False] * n  # by global layer index; identical on every rank
+        self.progress: list[float | None] = [None] * n
+        self.refs: dict[int, dict[str, torch.Tensor]] = {}  # reference copies of the blocks held here
+        self.probes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.wgrad: dict[int, int] = {}
+        self._capture: list = []
+        for i, layer in self._blocks().items():
+            self._count_wgrads(i, layer)
+
+    def _blocks(self) -> dict[int, nn.Module]:
+        pipe = self.trainer.pipe
+        return {i: pipe.layers[i] for i in sorted(pipe.layers) if pipe.specs[i].kind == "t"}
+
+    def _refresh_step(self, step: int) -> bool:
+        return step >= 0 and (step - self.opts.start_step) % self.opts.every == 0
+
+    def _count_wgrads(self, i: int, layer: nn.Module) -> None:
+        def hook(p, i=i):
+            self.wgrad[i] = self.wgrad.get(i, 0) + p.numel()
+
+        for p in layer.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(hook)
+
+    # ---- hooks ----
+    def before_step(self, step: int) -> list[dict]:
+        self.wgrad = {i: 0 for i in self._blocks()}
+        if self._refresh_step(step) and step >= self.opts.start_step:
+            # capture each trainable block's input of the step's first microbatch
+            for i, layer in self._blocks().items():
+                if not self.frozen[i] and i in self.refs:
+                    self._capture.append(layer.register_forward_pre_hook(self._probe_hook(i)))
+        return []
+
+    def _probe_hook(self, i: int):
+        def hook(module, args):
+            if i not in self.probes and torch.is_grad_enabled():
+                self.probes[i] = (args[0].detach().clone(), args[1].detach().clone())
+
+        return hook
+
+    def after_step(self, step: int, result: Any) -> list[dict]:
+        for h in self._capture:
+            h.remove()
+        self._capture = []
+        if not self._refresh_step(step):
+            return []
+        events: list[dict] = []
+        if step >= self.opts.start_step:
+            events = self._check(step)
+        self.probes = {}
+        self.refs = {
+            i: {k: v.detach().clone() for k, v in layer.state_dict().items()}
+            for i, layer in self._blocks().items()
+            if not self.frozen[i]
+        }
+        return events
+
+    def _check(self, step: int) -> list[dict]:
+        ctx = self.trainer.ctx
+        n = len(self.frozen)
+        vec = torch.zeros(2, n, dtype=torch.float64)  # [plasticity sum, measurements]
+        for i, layer in self._blocks().items():
+            if i in self.probes and i in self.refs:
+                vec[0, i] = plasticity(layer, self.refs[i], *self.probes[i])
+                vec[1, i] = 1.0
+        dist.all_reduce(vec, group=ctx.active_group)  # every replica of a block measured it
+        newly = []
+        for i in range(n):
+            if vec[1, i] > 0:
+                self.progress[i] = float(vec[0, i] / vec[1, i])
+        for i, spec in enumerate(self.trainer.pipe.specs):
+            if spec.kind != "t" or self.frozen[i]:
+                continue
+            p = self.progress[i]
+            if sum(self.frozen) >= self.max_frozen or p is None or not p < self.opts.tolerance:
+                break  # front to back: stop at the first block still learning
+            self.frozen[i] = True
+            newly.append(i)
+        if not newly:
+            return []
+        pipe = self.trainer.pipe
+        states = {i: optim.layer_state(pipe.optimizer, layer) for i, layer in pipe.layers.items()}
+        for i in newly:
+            if i in pipe.layers:
+                freeze_layer(pipe.layers[i])
+                states.pop(i, None)
+                self.refs.pop(i, None)
+        names = {pipe.specs[i].name: pipe.layers[i] for i in sorted(pipe.layers)}
+        pipe.optimizer = optim.build_optimizer(names, self.trainer.cfg.train, ctx.device)
+        for i, layer in pipe.layers.items():
+            optim.load_layer_state(pipe.optimizer, layer, states.get(i, {}))
+        return [{
+            "type": "dynamism",
+            "step": step,
+            "frozen_blocks": [pipe.specs[i].index - 1 for i in newly],
+            "plasticity": [self.progress[i] for i in newly],
+        }]
+
+    def layer_stats(self) -> dict[str, dict[int, Any]]:
+        out: dict[str, dict[int, Any]] = {"freeze_frozen": {}, "freeze_wgrad_elems": {}}
+        for i in self._blocks():
+            out["freeze_frozen"][i] = float(self.frozen[i])
+            out["freeze_wgrad_elems"][i] = self.wgrad.get(i, 0)
+            p = self.progress[i]
+            if p is not None and math.isfinite(p):
+                out.setdefault("freeze_progress", {})[i] = p
+        return out
+
+    # ---- migration ----
+    def pack_layer(self, index: int, layer: nn.Module) -> dict[str, torch.Tensor]:
+        ref = self.refs.pop(index, None)
+        return {} if ref is None else {f"ref.{k}": v for k, v in ref.items()}
+
+    def unpack_layer(self, index: int, layer: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+        ref = {k[4:]: v for k, v in tensors.items() if k.startswith("ref.")}
+        if ref:
+            self.refs[index] = ref
+        if self.frozen[index]:
+            freeze_layer(layer)  # before the optimizer is rebuilt: it will not hold these params
+        else:
+            self._count_wgrads(index, layer)

@@ -1,0 +1,78 @@
+"""Layer freezing: the plasticity measure, and end to end through the real launcher: blocks
+freeze front to back, a frozen block's weights never change again (also after it migrates),
+it computes no weight gradients, and the zero-bubble schedules train with frozen blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from dynmo.config import ConfigError, FreezeConfig, ModelConfig
+from dynmo.dynamics.freeze import check_options, plasticity
+from dynmo.model.gpt import LayerSpec, build_layer
+from tests.conftest import metrics, run_train
+
+
+def test_plasticity_is_zero_for_an_unchanged_block_and_grows_with_the_change():
+    cfg = ModelConfig(d_model=32, n_heads=2, seq_len=8, n_layers=2)
+    block = build_layer(LayerSpec("t", 1), cfg, seed=3)
+    x, mask = torch.randn(2, 8, 32), torch.ones(2, 8, dtype=torch.bool)
+    ref = {k: v.clone() for k, v in block.state_dict().items()}
+    assert plasticity(block, ref, x, mask) == 0.0
+    moved = []
+    for eps in (1e-3, 1e-2):
+        with torch.no_grad():
+            for k, p in block.named_parameters():
+                p.copy_(ref[k] + eps * torch.ones_like(p))
+        moved.append(plasticity(block, ref, x, mask))
+    assert 0 < moved[0] < moved[1]
+    with pytest.raises(ConfigError, match="max_frozen"):
+        check_options(FreezeConfig(max_frozen=9), 4)
+
+
+def flat(ckpt, tmp):
+    dcp_to_torch_save(str(ckpt), str(tmp / (ckpt.name + ".pt")))
+    return {k: v for k, v in torch.load(tmp / (ckpt.name + ".pt")).items() if not k.startswith("optim.")}
+
+
+# a tolerance no plasticity reaches: blocks 0 and 1 freeze at the first check (step 4)
+FREEZE = ["--freeze.enabled", "true", "--freeze.start_step", "4", "--freeze.every", "2",
+          "--freeze.tolerance", "1e9", "--freeze.max_frozen", "2"]
+
+
+@pytest.mark.dist
+def test_frozen_blocks_never_change_skip_weight_grads_and_stay_frozen_after_migration(tmp_path):
+    # step 7 moves the frozen blocks 0 and 1 from rank 0 to rank 1
+    run_train(tmp_path, "--steps", "10", *FREEZE, "--parallel.relayout", "7:0,1,6",
+              "--checkpoint.every", "5", "--checkpoint.final", "true")
+    recs = metrics(tmp_path)
+    dyn = [(r["step"], e) for r in recs for e in r["events"] if e["type"] == "dynamism"]
+    assert [(s, e["frozen_blocks"]) for s, e in dyn] == [(4, [0, 1])]
+    assert all(p >= 0 for p in dyn[0][1]["plasticity"])
+    at5, final = flat(tmp_path / "checkpoint-5", tmp_path), flat(tmp_path / "checkpoint-final", tmp_path)
+    for k in at5:
+        if k.startswith(("block0.", "block1.")):
+            assert torch.equal(at5[k], final[k]), k  # bitwise: no update after freezing
+    for b in ("block2", "block3", "embed", "head"):
+        assert any(not torch.equal(at5[k], final[k]) for k in at5 if k.startswith(b + ".")), b
+    for r in recs:
+        frozen = r["step"] > 4  # decided after step 4's update (its record already says so)
+        assert r["freeze_frozen"] == [None, *[float(r["step"] >= 4)] * 2, 0.0, 0.0, None]
+        w = r["freeze_wgrad_elems"]
+        assert w[3] > 0 and w[4] > 0
+        assert (w[1], w[2]) == ((0, 0) if frozen else (w[3], w[4]))  # counted weight-gradient work
+    assert recs[-1]["layout"] == [0, 1, 6]
+    assert all(p is not None for p in recs[-1]["freeze_progress"][1:3])
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("schedule", ["zbv"])
+def test_zero_bubble_schedule_trains_with_frozen_blocks(tmp_path, schedule):
+    run_train(tmp_path, "--steps", "7", *FREEZE, "--parallel.schedule", schedule, "--parallel.virtual_stages", "2",
+              "--checkpoint.every", "5", "--checkpoint.final", "true")
+    recs = metrics(tmp_path)
+    assert recs[-1]["freeze_frozen"][1:3] == [1.0, 1.0]
+    at5, final = flat(tmp_path / "checkpoint-5", tmp_path), flat(tmp_path / "checkpoint-final", tmp_path)
+    assert all(torch.equal(at5[k], final[k]) for k in at5 if k.startswith(("block0.", "block1.")))
+    assert any(not torch.equal(at5[k], final[k]) for k in at5 if k.startswith("block3."))
