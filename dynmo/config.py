@@ -165,7 +165,9 @@ class EarlyExitConfig:
     enabled: bool = False
     first_block: int = 2  # blocks from this one (0-based) on may let tokens exit
     threshold: float = 0.9  # per-token confidence at or above which a token exits
-    start_step: int = 0  # no token exits before this step
+    start_step: int = 0  # no token exits before this step (the classifiers train from step 0)
+    saturation: float = 0.99  # classifier label: cos(block output, block input) >= this
+    aux_loss_coef: float = 0.01  # weight of the exit classifiers' BCE loss
 
 
 @dataclass

@@ -79,14 +79,32 @@ class Block(nn.Module):
         # Injected imbalance (SkewConfig): extra MLP passes whose result is multiplied by zero.
         # Real forward and backward work; y + 0 * z == y, so the math is unchanged.
         self.extra_mlp_passes = 0
+        # Early exit (dynmo/dynamics/earlyexit.py) sets both: a per-token exit classifier (a
+        # submodule, so it trains, migrates and is checkpointed with the block) and a router
+        # that computes only the active tokens and lets confident ones exit. None: dense block.
+        self.exit_head: nn.Module | None = None
+        self.token_router = None
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor):
+        if self.token_router is not None:
+            return self.token_router(self, x, mask)
+        return self.dense_forward(x, mask)
+
+    def dense_forward(self, x: torch.Tensor, mask: torch.Tensor):
+        """The block on every token (mask passes through)."""
         x = x + self.attn(self.ln1(x))
         h = self.ln2(x)
         y = self.mlp(h)
         for _ in range(self.extra_mlp_passes):
             y = y + 0.0 * self.mlp(h)
         return x + y, mask
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # A block migrated with an early-exit classifier is rebuilt without one: grow it.
+        w = state_dict.get(prefix + "exit_head.weight")
+        if w is not None and self.exit_head is None:
+            self.exit_head = nn.Linear(w.shape[1], w.shape[0], device=self.ln1.weight.device, dtype=w.dtype)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 class Embedding(nn.Module):
