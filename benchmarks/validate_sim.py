@@ -38,14 +38,15 @@ from dynmo.sim.engine import predict_iteration_time
 from dynmo.sim.trace import trace_from_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMON = ["--config", "configs/default.toml", "--log.tensorboard", "false", "--log.progress", "false",
+DEFAULT = ["--config", "configs/default.toml"]
+COMMON = ["--log.tensorboard", "false", "--log.progress", "false",
           "--train.eval_every", "0"]
 CONFIGS = [
-    ("gpipe", ["--parallel.schedule", "gpipe"]),
-    ("1f1b", ["--parallel.schedule", "1f1b"]),
-    ("1f1b-skewed", ["--parallel.schedule", "1f1b", "--skew.blocks", "0;1;2", "--skew.factor", "4",
+    ("gpipe", DEFAULT + ["--parallel.schedule", "gpipe"]),
+    ("1f1b", DEFAULT + ["--parallel.schedule", "1f1b"]),
+    ("1f1b-skewed", DEFAULT + ["--parallel.schedule", "1f1b", "--skew.blocks", "0;1;2", "--skew.factor", "4",
                      "--skew.start_step", "3"]),
-    ("interleaved1f1b-v2", ["--parallel.schedule", "interleaved1f1b", "--parallel.virtual_stages", "2"]),
+    ("interleaved1f1b-v2", DEFAULT + ["--parallel.schedule", "interleaved1f1b", "--parallel.virtual_stages", "2"]),
 ]
 
 
@@ -123,21 +124,53 @@ def validate(run_dir: Path, comm: float) -> dict:
     h = trace.header
     m, v = h.microbatches, h.virtual_stages
     rows = {}
-    for variant in ("layers", "stage"):
-        for p2p in ("eager", "rendezvous"):
-            for c in (0.0, comm):
-                errs = []
-                for st, rec in list(zip(trace.steps, recs))[1:]:
-                    f, bw = stage_mb_times(st, Layout(tuple(st.layout)), m, rec, variant)
-                    sim = predict_iteration_time(f.tolist(), bw.tolist(), h.schedule, m, comm=c,
-                                                 stages_per_rank=v if v > 1 else None, p2p=p2p)
-                    errs.append((sim - st.iteration_s) / st.iteration_s)
-                key = f"{variant}/{p2p}/{'comm' if c else 'nocomm'}"
-                rows[key] = {"mean_err": float(np.mean(errs)), "mean_abs_err": float(np.mean(np.abs(errs))),
-                             "max_abs_err": float(np.max(np.abs(errs)))}
+    for variant, p2p, c in (("layers", "eager", 0.0), ("stage", "eager", comm), ("stage", "rendezvous", comm)):
+        errs = []
+        for st, rec in list(zip(trace.steps, recs))[1:]:
+            f, bw = stage_mb_times(st, Layout(tuple(st.layout)), m, rec, variant)
+            sim = predict_iteration_time(f.tolist(), bw.tolist(), h.schedule, m, comm=c,
+                                         stages_per_rank=v if v > 1 else None, p2p=p2p)
+            errs.append((sim - st.iteration_s) / st.iteration_s)
+        key = f"{variant}{'+comm' if c else ''} {p2p}"
+        rows[key] = {"mean_err": float(np.mean(errs)), "mean_abs_err": float(np.mean(np.abs(errs))),
+                     "max_abs_err": float(np.max(np.abs(errs)))}
     measured = float(np.mean([s.iteration_s for s in trace.steps[1:]]))
     return {"schedule": h.schedule, "virtual_stages": v, "steps": len(trace.steps) - 1,
             "mean_iteration_s": measured, "variants": rows}
+
+
+SKEW = ["--config", "configs/skewed.toml", "--skew.start_step", "3"]  # skew blocks 0-2 x4, all on stage 0
+
+
+def validate_policy(out: Path, steps: int, reuse: bool) -> dict:
+    """Replay the static skewed run's trace under the controller (when=auto, optimal) and compare
+    the predicted speedup with a real run of that policy on the same model."""
+    from dynmo.sim.replay import ReplayOptions, replay
+
+    static, auto = out / "skewed-static", out / "skewed-auto"
+    if not reuse:
+        run("skewed-static", SKEW, steps, out)
+        run("skewed-auto", SKEW + ["--balance.when", "auto"], steps, out)
+    real_static = [json.loads(x) for x in (static / "metrics.jsonl").read_text().splitlines()]
+    real_auto = [json.loads(x) for x in (auto / "metrics.jsonl").read_text().splitlines()]
+
+    def real_time(recs):  # step 0 left out: one-off set-up
+        return sum(r["iteration_s"] + sum(e.get("seconds", 0.0) for e in r["events"] if e["type"] == "migration")
+                   for r in recs[1:])
+
+    trace = trace_from_metrics(static)
+    uni, opt = replay(trace, None, None, ["uniform", "optimal"], ReplayOptions(when="auto"))
+    sim_uni = sum(uni.iteration_s[1:])
+    sim_opt = sum(t + o for t, o in zip(opt.iteration_s[1:], opt.overhead_s[1:]))
+    migr = [(r["step"], e["new"]) for r in real_auto for e in r["events"] if e["type"] == "migration"]
+    return {
+        "measured_speedup": real_time(real_static) / real_time(real_auto),
+        "predicted_speedup": sim_uni / sim_opt,
+        "real_migrations": migr,
+        "replayed_migrations": [(k, opt.layouts[k]) for k in range(1, len(opt.layouts))
+                                if opt.layouts[k] != opt.layouts[k - 1]],
+        "static_time_err": sim_uni / real_time(real_static) - 1,
+    }
 
 
 def main() -> None:
@@ -148,7 +181,8 @@ def main() -> None:
     ap.add_argument("--json", help="also write the results to this JSON file")
     args = ap.parse_args()
     out = Path(args.out)
-    print(f"load average before: {load()}  (2 cores, shared: other jobs disturb the timings)")
+    before = load()
+    print(f"load average before: {before}  (2 cores, shared: other jobs disturb the timings)")
     # activation of one microbatch: global_batch 16 / 4 microbatches = 4 sequences x 128 x 256 fp32
     comm = measure_comm((4, 128, 256))
     print(f"gloo one-way transfer of a 4x128x256 fp32 activation (512 KiB): {comm * 1e3:.2f} ms (median of 30)")
@@ -156,11 +190,13 @@ def main() -> None:
     for name, extra in CONFIGS:
         run_dir = out / name if args.reuse else run(name, extra, args.steps, out)
         results[name] = validate(run_dir, comm)
-    print(f"load average after:  {load()}")
+    policy = validate_policy(out, max(args.steps, 16), args.reuse)
+    after = load()
+    print(f"load average after:  {after}")
     keys = list(next(iter(results.values()))["variants"])
     print()
     print(f"{'config':<20} {'measured s':>10} " + " ".join(f"{k:>22}" for k in keys))
-    print(" " * 32 + " ".join(f"{'mean err / |err|':>22}" for _ in keys))
+    print(f"{'':<20} {'per step':>10} " + " ".join(f"{'mean err / mean |err|':>22}" for _ in keys))
     for name, r in results.items():
         cells = [f"{r['variants'][k]['mean_err'] * 100:+6.1f}% / {r['variants'][k]['mean_abs_err'] * 100:5.1f}%"
                  for k in keys]
@@ -168,8 +204,15 @@ def main() -> None:
     overall = {k: float(np.mean([r["variants"][k]["mean_abs_err"] for r in results.values()])) for k in keys}
     print(f"{'mean |err| over all':<31} " + " ".join(f"{overall[k] * 100:>21.1f}%" for k in keys))
     print("\nerr = (simulated - measured) / measured iteration time, per step (step 0 left out), then averaged")
+    print(f"\ntrace replay vs a real balanced run (configs/skewed.toml, skew from step 3, balance.when=auto):\n"
+          f"  measured speedup of auto over static: {policy['measured_speedup']:.3f}  "
+          f"(migrations at steps {[k for k, _ in policy['real_migrations']]}, to {[b for _, b in policy['real_migrations']]})\n"
+          f"  predicted by replaying the static run's trace (policy optimal, when=auto): {policy['predicted_speedup']:.3f}  "
+          f"(migrations before steps {[k for k, _ in policy['replayed_migrations']]}, "
+          f"to {[b for _, b in policy['replayed_migrations']]})\n"
+          f"  static run's total iteration time, simulated vs measured: {policy['static_time_err'] * 100:+.1f}%")
     if args.json:
-        Path(args.json).write_text(json.dumps({"comm_s": comm, "load_before_after": None, "results": results,
+        Path(args.json).write_text(json.dumps({"comm_s": comm, "load_before_after": [before, after], "results": results, "policy": policy,
                                                "overall_mean_abs_err": overall}, indent=2))
 
 

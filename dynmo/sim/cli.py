@@ -68,6 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--min-gain", type=float, default=0.05, help="auto: minimum bottleneck reduction")
     r.add_argument("--horizon", type=int, default=50, help="auto: steps the saving must repay the migration in")
     r.add_argument("--repack-tolerance", type=float, default=0.05, help="+repack: allowed bottleneck growth")
+    r.add_argument("--retune-microbatches", action="store_true",
+                   help="+repack: fewer microbatches for the shorter pipeline (as balance.retune_microbatches)")
     r.add_argument("--mig-bandwidth", type=float, default=1e9, help="migration bytes/s (default 1e9)")
     r.add_argument("--mig-fixed", type=float, default=0.01, help="fixed seconds per migration (default 0.01)")
     r.add_argument("--no-decide-time", action="store_true", help="do not charge the controller's decide time")
@@ -140,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _replay_main(args: argparse.Namespace) -> int:
-    from dynmo.sim.replay import DEFAULT_POLICIES, ReplayOptions, replay, summary_table, trace_summary
+    from dynmo.sim.replay import ReplayOptions, default_policies, replay, summary_table, trace_summary
     from dynmo.sim.trace import load_trace, scale_trace
 
     trace = load_trace(args.trace)
@@ -152,12 +154,13 @@ def _replay_main(args: argparse.Namespace) -> int:
     opts = ReplayOptions(
         schedule=args.schedule, microbatches=args.microbatches, stages_per_rank=args.stages_per_rank,
         when=args.when, every=args.every, window=args.window, min_gain=args.min_gain, horizon=args.horizon,
-        repack_tolerance=args.repack_tolerance, migration_bandwidth=args.mig_bandwidth,
+        repack_tolerance=args.repack_tolerance, retune_microbatches=args.retune_microbatches,
+        migration_bandwidth=args.mig_bandwidth,
         migration_fixed_s=args.mig_fixed, charge_decide=not args.no_decide_time, comm=args.comm,
         p2p=args.p2p or "eager", allreduce_bandwidth=args.allreduce_bandwidth,
         allreduce_latency=args.allreduce_latency,
     )
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else list(DEFAULT_POLICIES)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else default_policies(trace, opts)
     results = replay(trace, args.stages, args.dp, policies, opts)
     info = trace_summary(trace)
     shape = _shape(trace, results, args, opts)
@@ -196,7 +199,7 @@ def _shape(trace, results, args, opts) -> dict:
     dp = args.dp or h.dp
     return {"schedule": canonical_name(opts.schedule or h.schedule), "stages": stages,
             "ranks": first.workers[0] // dp, "dp": dp, "workers": first.workers[0],
-            "microbatches": opts.microbatches or h.microbatches}
+            "microbatches": opts.microbatches or h.microbatches, "stages_per_rank": stages // (first.workers[0] // dp)}
 
 
 def _missing(trace, opts, shape) -> list[str]:
@@ -208,7 +211,10 @@ def _missing(trace, opts, shape) -> list[str]:
         out.append("stage-to-stage transfer time (give --comm seconds)")
     if "ZeroBubble" in shape["schedule"] and any(s.wgrad is None for s in trace.steps):
         out.append("measured weight-gradient split: the zero-bubble schedules take wgrad = bwd / 2")
-    out.append("micro-batch re-tuning after re-packing (balance.retune_microbatches)")
+    if not opts.retune_microbatches:
+        out.append("micro-batch re-tuning after re-packing (give --retune-microbatches)")
+    if shape["stages_per_rank"] > 1:
+        out.append("re-packing: the runtime re-packs only with one stage per rank, so +repack policies are left out")
     out.append("per-layer cost changes caused by the placement itself (costs are replayed as traced)")
     return out
 

@@ -15,16 +15,17 @@ iteration of the schedule with them. Policies:
                        before the next one with that balancer (optimal, deepspeed fed times,
                        diffusion-contiguous, uniform); a migration costs fixed + bytes /
                        bandwidth and the balancer's measured decide time is charged too;
-  <balancer>+repack    the same, and whenever the controller acts, `dynmo.balance.repack`
-                       (ours, optimal) packs the layers onto the fewest stages whose optimal
-                       bottleneck stays within the tolerance; released workers never return;
+  <balancer>+repack    the same with the controller's re-packing on (`Controller(repack=True)`,
+                       which calls `dynmo.balance.repack`): at a decision point it packs the
+                       layers onto the fewest stages whose optimal bottleneck stays within the
+                       tolerance; released workers never return; optionally the microbatch
+                       count is re-tuned for the shorter pipeline (as balance.retune_microbatches);
   oracle               per step the optimal contiguous layout for that step's own costs, with
                        no migration or decide cost: the oracle bound (SPEC.md).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -32,7 +33,7 @@ from typing import Sequence
 import numpy as np
 
 from dynmo.balance import BALANCERS, Problem, balance, repack
-from dynmo.controller import WHEN, Controller
+from dynmo.controller import WHEN, Controller, retune_microbatches
 from dynmo.layout import Layout, imbalance
 from dynmo.sim.engine import SimInputError, StageTimes, ring_allreduce_time, simulate_plan
 from dynmo.sim.schedules import Plan, build_plan, canonical_name, default_stages_per_rank
@@ -57,6 +58,7 @@ class ReplayOptions:
     horizon: int = 50
     initial: str = "uniform"  # initial layout of the dynamic policies: uniform | params
     repack_tolerance: float = 0.05
+    retune_microbatches: bool = False  # after a re-pack, fewer microbatches for the shorter pipeline
     # migration cost: seconds = fixed + bytes / bandwidth (the controller's model)
     migration_bandwidth: float = 1e9  # bytes/s
     migration_fixed_s: float = 0.01
@@ -88,6 +90,7 @@ class PolicyResult:
     layouts: list[list[int]] = field(default_factory=list)  # boundaries per step
     workers: list[int] = field(default_factory=list)  # pipeline ranks x dp per step
     overhead_s: list[float] = field(default_factory=list)  # migration + decide before each step
+    microbatches: list[int] = field(default_factory=list)  # per step (changes only by re-tuning)
     migrations: int = 0
     layers_moved: int = 0
     migration_s: float = 0.0
@@ -140,8 +143,15 @@ class PolicyResult:
         if per_step:
             d |= {"iteration_s": self.iteration_s, "bubble_ratio": self.bubble_ratio, "bottleneck_s": self.bottleneck_s,
                   "stage_loads": self.stage_loads, "layouts": self.layouts, "workers": self.workers,
-                  "overhead_s": self.overhead_s}
+                  "overhead_s": self.overhead_s, "microbatches": self.microbatches}
         return d
+
+
+def default_policies(trace: Trace, options: ReplayOptions | None = None) -> list[str]:
+    """All policies; without the +repack ones when the schedule runs several stages per rank."""
+    opts = options or ReplayOptions()
+    v = _schedule(trace, opts)[1]
+    return [p for p in DEFAULT_POLICIES if v == 1 or not p.endswith("+repack")]
 
 
 def parse_policy(name: str) -> tuple[str, bool]:
@@ -160,54 +170,67 @@ def parse_policy(name: str) -> tuple[str, bool]:
     return base, extra == "repack"
 
 
+def _schedule(trace: Trace, opts: ReplayOptions) -> tuple[str, int]:
+    """The schedule to replay and its stages per rank."""
+    h = trace.header
+    name = canonical_name(opts.schedule or h.schedule)
+    v = opts.stages_per_rank
+    if v is None:
+        v = default_stages_per_rank(name)
+        if v > 1 and h.virtual_stages > 1 and canonical_name(h.schedule) == name:
+            v = h.virtual_stages
+    return name, int(v)
+
+
 class _Runner:
     """Builds plans once per shape and simulates one step for a layout."""
 
     def __init__(self, trace: Trace, dp: int, opts: ReplayOptions):
         h = trace.header
         self.opts, self.dp = opts, dp
-        self.schedule = canonical_name(opts.schedule or h.schedule)
-        v = opts.stages_per_rank
-        if v is None:
-            v = default_stages_per_rank(self.schedule)
-            if v > 1 and h.virtual_stages > 1 and canonical_name(h.schedule) == self.schedule:
-                v = h.virtual_stages
-        self.v = int(v)
+        self.schedule, self.v = _schedule(trace, opts)
         self.m = int(opts.microbatches or h.microbatches)
-        self.fwd, self.bwd = trace.fwd(), trace.bwd()
-        self.wgrad = None
-        if all(s.wgrad is not None for s in trace.steps):
-            self.wgrad = np.asarray([s.wgrad for s in trace.steps], dtype=float)
+        self.fwd, self.bwd, self.wgrad = trace.fwd(), trace.bwd(), trace.wgrad()
         self.costs = self.fwd + self.bwd
+        # sequences per replica per step, for re-tuning: M microbatches of the traced size
+        seq = int(h.config.get("model", {}).get("seq_len") or 0)
+        per_mb = h.tokens_per_microbatch // seq if h.tokens_per_microbatch and seq else 1
+        self.local_batch = per_mb * self.m
         self.params = np.asarray(h.params, dtype=float)
         self.plans: dict[int, Plan] = {}
 
-    def plan(self, stages: int) -> Plan:
-        if stages not in self.plans:
+    def plan(self, stages: int, m: int | None = None) -> Plan:
+        m = m or self.m
+        if (stages, m) not in self.plans:
             if stages % self.v:
                 raise SimInputError(f"{self.schedule} with {self.v} stages per rank needs a multiple of {self.v} stages, got {stages}")
-            self.plans[stages] = build_plan(self.schedule, stages // self.v, self.m, stages_per_rank=self.v)
-        return self.plans[stages]
+            self.plans[(stages, m)] = build_plan(self.schedule, stages // self.v, m, stages_per_rank=self.v)
+        return self.plans[(stages, m)]
 
-    def step(self, k: int, layout: Layout, res: PolicyResult) -> None:
+    def step(self, k: int, layout: Layout, res: PolicyResult, m: int | None = None) -> None:
+        """Simulate step k on `layout` with m microbatches (default M; the local batch is kept,
+        so a microbatch is M / m times the traced size and costs that much more)."""
+        m = m or self.m
+        scale = self.m / m
         b = np.asarray(layout.boundaries[:-1])
-        f = np.add.reduceat(self.fwd[k], b)
-        bw = np.add.reduceat(self.bwd[k], b)
-        w = None if self.wgrad is None else np.add.reduceat(self.wgrad[k], b)
+        f = np.add.reduceat(self.fwd[k], b) * scale
+        bw = np.add.reduceat(self.bwd[k], b) * scale
+        w = None if self.wgrad is None else np.add.reduceat(self.wgrad[k], b) * scale
         ar = 0.0
         if self.opts.allreduce_bandwidth and self.dp > 1:
             grad_bytes = np.add.reduceat(self.params, b) * GRAD_BYTES_PER_PARAM
             ar = ring_allreduce_time(grad_bytes, self.dp, self.opts.allreduce_bandwidth, self.opts.allreduce_latency)
-        times = StageTimes.build(f, bw, self.m, wgrad=w, comm=self.opts.comm, allreduce=ar)
-        plan = self.plan(layout.num_stages)
+        times = StageTimes.build(f, bw, m, wgrad=w, comm=self.opts.comm * scale, allreduce=ar)
+        plan = self.plan(layout.num_stages, m)
         sim = simulate_plan(plan, times, dp=self.dp, p2p=self.opts.p2p, split_bubble=False)
-        loads = (f + bw).tolist()
+        loads = ((f + bw) / scale).tolist()  # per traced-size microbatch, comparable across policies
         res.iteration_s.append(sim.iteration_time)
         res.bubble_ratio.append(sim.bubble_ratio)
         res.stage_loads.append(loads)
         res.bottleneck_s.append(max(loads))
         res.layouts.append(list(layout.boundaries))
         res.workers.append(plan.num_ranks * self.dp)
+        res.microbatches.append(m)
 
 
 def _static_layout(name: str, trace: Trace, stages: int) -> Layout:
@@ -243,6 +266,9 @@ def replay(trace: Trace, stages: int | None = None, dp: int | None = None,
                             "scale the trace to more blocks (--scale-blocks) or use fewer stages")
     parsed = [(p, *parse_policy(p)) for p in policies]
     runner = _Runner(trace, dp, opts)
+    if runner.v > 1 and any(rp for _, _, rp in parsed):
+        raise SimInputError(f"re-packing needs one stage per rank (GPipe or 1F1B), as in the runtime; "
+                            f"{runner.schedule} runs {runner.v}: drop the +repack policies")
     runner.plan(stages)  # fail early on a bad shape
     tokens = None
     if h.tokens_per_microbatch:
@@ -297,25 +323,21 @@ def _run_dynamic(trace: Trace, runner: _Runner, stages: int, balancer: str, do_r
     h = trace.header
     ctl = Controller(when=opts.when, every=opts.every, balancer=balancer, window=opts.window,
                      min_gain=opts.min_gain, horizon=opts.horizon, microbatches=runner.m,
+                     repack=do_repack, repack_tolerance=opts.repack_tolerance,
                      fixed_s=opts.migration_fixed_s, bandwidth=opts.migration_bandwidth)
     layout = _static_layout(opts.initial, trace, stages)
-    lbytes = list(h.layer_bytes)
+    m = runner.m
     n_steps = len(trace.steps)
     for k, st in enumerate(trace.steps):
+        lbytes = st.state_bytes or h.layer_bytes  # measured state when the trace has it
         t0 = time.perf_counter()
-        consulted = (ctl.when == "dynamism" and ctl.pending and bool(ctl.history)) or \
-                    (ctl.when == "every" and k > 0 and k % ctl.every == 0 and bool(ctl.history)) or \
-                    (ctl.when == "auto" and len(ctl.history) >= ctl.window)
         decision = ctl.decide(k, layout, lbytes, n_steps - k)
-        new = decision.layout if decision is not None else layout
-        workers = list(range(new.num_stages))
-        if do_repack and consulted and layout.num_stages > runner.v:
-            new, workers = _repack(ctl.forecast(), new, opts.repack_tolerance, runner.v)
         decide_s = time.perf_counter() - t0 if opts.charge_decide else 0.0
         overhead = decide_s
-        if new != layout or len(workers) != layout.num_stages:
-            moved, nbytes = _moved_bytes(layout, new, workers, lbytes)
-            # fixed + bytes / bandwidth, as the controller predicts (and as it refits from runs)
+        if decision is not None and decision.layout != layout:
+            new = decision.layout
+            # a re-pack keeps pipeline positions 0..k-1 (as the runtime), so compare owners directly
+            moved, nbytes = _moved_bytes(layout, new, list(range(new.num_stages)), lbytes)
             seconds = opts.migration_fixed_s + nbytes / opts.migration_bandwidth if moved else 0.0
             if moved:
                 res.migrations += 1
@@ -323,31 +345,17 @@ def _run_dynamic(trace: Trace, runner: _Runner, stages: int, balancer: str, do_r
                 res.migration_s += seconds
                 overhead += seconds
                 ctl.observe_migration(nbytes, seconds)
+            if new.num_stages < layout.num_stages and opts.retune_microbatches:
+                m = retune_microbatches(runner.local_batch, m, layout.num_stages, new.num_stages)
+                ctl.microbatches = m
             layout = new
             ctl.history.clear()  # as the runtime: costs measured under the old layout are dropped
         res.decide_s += decide_s
         res.overhead_s.append(overhead)
-        runner.step(k, layout, res)
+        runner.step(k, layout, res, m)
         if st.dynamism:
             ctl.dynamism()
         ctl.observe(runner.costs[k].tolist())
-
-
-def _repack(costs: list[float] | None, layout: Layout, tolerance: float, v: int) -> tuple[Layout, list[int]]:
-    """Fewest stages (a multiple of v) within tolerance of the best on all of `layout`'s stages."""
-    S = layout.num_stages
-    if costs is None:
-        return layout, list(range(S))
-    r = repack(Problem(costs=costs, stages=S, current=list(layout.boundaries)), tolerance, "optimal")
-    k = len(r.workers)
-    if k >= S:
-        return layout, list(range(S))
-    if k % v == 0:
-        return Layout(tuple(r.boundaries)), list(r.workers)
-    k = math.ceil(k / v) * v  # whole ranks only: keep the first k stages' workers
-    if k >= S:
-        return layout, list(range(S))
-    return Layout(tuple(balance(Problem(costs=costs, stages=k), "optimal").boundaries)), list(range(k))
 
 
 def summary_table(results: Sequence[PolicyResult]) -> str:

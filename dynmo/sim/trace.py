@@ -122,6 +122,8 @@ class TraceStep:
     events: list[dict] = field(default_factory=list)  # migrations, dynamism, ...
     wgrad: list[float] | None = None  # weight-gradient part of bwd, when measured
     stats: dict[str, list] = field(default_factory=dict)  # per-layer case stats (moe_tokens_per_expert, ...)
+    microbatches: int | None = None  # when the run changed it (re-tuning after a re-pack); else the header's
+    state_bytes: list[float] | None = None  # measured per-layer params + grads + optimizer state, when recorded
 
     @property
     def dynamism(self) -> bool:
@@ -134,6 +136,10 @@ class TraceStep:
         d |= {"layout": self.layout, "iteration_s": self.iteration_s, "step_s": self.step_s, "events": self.events}
         if self.stats:
             d["stats"] = self.stats
+        if self.microbatches is not None:
+            d["microbatches"] = self.microbatches
+        if self.state_bytes is not None:
+            d["state_bytes"] = self.state_bytes
         return d
 
     @classmethod
@@ -155,13 +161,16 @@ class TraceStep:
             step_s=rec.get("step_s"),
             events=list(rec.get("events", [])),
             stats=stats,
+            microbatches=int(rec["microbatches"]) if rec.get("microbatches") else None,
+            state_bytes=[float(x) for x in rec["layer_state_bytes"]] if rec.get("layer_state_bytes") else None,
         )
 
 
 _RECORD_KEYS = {
     "step", "loss", "tokens_per_s", "step_s", "iteration_s", "layout", "layout_str", "stage_compute_s",
     "stage_idle_s", "worker_compute_s", "worker_idle_s", "bubble_ratio", "imbalance", "layer_fwd_s",
-    "layer_bwd_s", "layer_wgrad_s", "grad_norm", "lr", "events", "val_loss",
+    "layer_bwd_s", "layer_wgrad_s", "grad_norm", "lr", "events", "val_loss", "microbatches", "workers",
+    "layer_act_bytes", "layer_state_bytes", "stage_memory_bytes", "profile_s", "worker_peak_memory_bytes",
 }
 
 
@@ -174,12 +183,25 @@ class Trace:
     def num_layers(self) -> int:
         return self.header.num_layers
 
+    def _per_mb(self, name: str) -> np.ndarray:
+        a = np.asarray([getattr(s, name) for s in self.steps], dtype=float).reshape(len(self.steps), self.num_layers)
+        # a step run with m_k microbatches (re-tuned) has microbatches of m / m_k times the size
+        scale = [(s.microbatches or self.header.microbatches) / self.header.microbatches for s in self.steps]
+        return a * np.asarray(scale)[:, None]
+
     def fwd(self) -> np.ndarray:
-        """Seconds per microbatch, shape (steps, layers)."""
-        return np.asarray([s.fwd for s in self.steps], dtype=float).reshape(len(self.steps), self.num_layers)
+        """Seconds per microbatch of the header's size (`microbatches` per step), shape (steps, layers).
+
+        Steps the run took with another microbatch count are rescaled to the header's
+        microbatch size, assuming time proportional to the microbatch size."""
+        return self._per_mb("fwd")
 
     def bwd(self) -> np.ndarray:
-        return np.asarray([s.bwd for s in self.steps], dtype=float).reshape(len(self.steps), self.num_layers)
+        return self._per_mb("bwd")
+
+    def wgrad(self) -> np.ndarray | None:
+        """Like fwd(), or None unless every step measured the weight-gradient part."""
+        return self._per_mb("wgrad") if all(s.wgrad is not None for s in self.steps) else None
 
     def costs(self) -> np.ndarray:
         """c_i(k): forward + backward seconds per microbatch of layer i at step k."""
@@ -195,7 +217,7 @@ class Trace:
 
 
 def _check_step(s: TraceStep, n: int, where: str) -> TraceStep:
-    for name in ("fwd", "bwd", "wgrad"):
+    for name in ("fwd", "bwd", "wgrad", "state_bytes"):
         v = getattr(s, name)
         if v is None:
             continue
@@ -410,11 +432,15 @@ def scale_trace(trace: Trace, blocks: int, *, cost_scale: float = 1.0, params_sc
             new.append(np.concatenate(([a[0]], nb, [a[-1]])) * cost_scale)
         if new[2] is not None:
             new[2] = np.minimum(new[2], new[1])
+        sb = None
+        if s.state_bytes is not None:
+            sb = [s.state_bytes[0]] + [s.state_bytes[i] * params_scale for i in src] + [s.state_bytes[-1]]
         stats = {}
         for k, v in s.stats.items():
             stats[k] = [v[0]] + [v[i] for i in src] + [v[-1]]
         steps.append(replace(s, fwd=new[0].tolist(), bwd=new[1].tolist(),
-                             wgrad=None if new[2] is None else new[2].tolist(), layout=None, stats=stats))
+                             wgrad=None if new[2] is None else new[2].tolist(), layout=None, stats=stats,
+                             state_bytes=sb))
     params = [h.params[0]] + [int(round(h.params[i] * params_scale)) for i in src] + [h.params[-1]]
     lbytes = [h.layer_bytes[0]] + [int(round(h.layer_bytes[i] * params_scale)) for i in src] + [h.layer_bytes[-1]]
     config = dict(h.config)
