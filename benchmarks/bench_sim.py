@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from dynmo.sim import simulate
-from dynmo.sim.replay import DEFAULT_POLICIES, ReplayOptions, replay, summary_table
+from dynmo.sim.replay import ReplayOptions, replay, summary_table
 from dynmo.sim.trace import load_trace, scale_trace
 
 CASES = [
@@ -49,7 +49,7 @@ def replay_at_scale(path: str, plots: str | None, opts: ReplayOptions) -> None:
     big = scale_trace(trace, blocks)
     m = 4 * stages
     t0 = time.perf_counter()
-    results = replay(big, stages, dp, DEFAULT_POLICIES, ReplayOptions(**{**opts.__dict__, "microbatches": m}))
+    results = replay(big, stages, dp, None, ReplayOptions(**{**opts.__dict__, "microbatches": m}))
     dt = time.perf_counter() - t0
     print(f"\n{path}: case {trace.header.case}, {len(trace.steps)} steps, scaled {trace.num_layers - 2} -> "
           f"{blocks} blocks, {stages} stages x {dp} dp, {m} microbatches ({dt:.1f} s to replay)")

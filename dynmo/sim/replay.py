@@ -197,7 +197,7 @@ class _Runner:
         per_mb = h.tokens_per_microbatch // seq if h.tokens_per_microbatch and seq else 1
         self.local_batch = per_mb * self.m
         self.params = np.asarray(h.params, dtype=float)
-        self.plans: dict[int, Plan] = {}
+        self.plans: dict[tuple[int, int], Plan] = {}
 
     def plan(self, stages: int, m: int | None = None) -> Plan:
         m = m or self.m
@@ -248,10 +248,10 @@ def _moved_bytes(old: Layout, new: Layout, workers: Sequence[int], layer_bytes: 
 
 
 def replay(trace: Trace, stages: int | None = None, dp: int | None = None,
-           policies: Sequence[str] = DEFAULT_POLICIES, options: ReplayOptions | None = None) -> list[PolicyResult]:
+           policies: Sequence[str] | None = None, options: ReplayOptions | None = None) -> list[PolicyResult]:
     """Replay `trace` on `stages` pipeline stages x `dp` replicas under each policy.
 
-    `stages` and `dp` default to the traced run's. Speedups are relative to static uniform
+    `stages` and `dp` default to the traced run's; `policies` to `default_policies`. Speedups are relative to static uniform
     (replayed for the comparison even when not asked for; then it is not returned).
     """
     opts = options or ReplayOptions()
@@ -264,6 +264,8 @@ def replay(trace: Trace, stages: int | None = None, dp: int | None = None,
     if stages > trace.num_layers:
         raise SimInputError(f"cannot split {trace.num_layers} layers into {stages} stages; "
                             "scale the trace to more blocks (--scale-blocks) or use fewer stages")
+    if policies is None:
+        policies = default_policies(trace, opts)
     parsed = [(p, *parse_policy(p)) for p in policies]
     runner = _Runner(trace, dp, opts)
     if runner.v > 1 and any(rp for _, _, rp in parsed):

@@ -315,11 +315,13 @@ def trace_from_metrics(run_dir: str | Path, params: Iterable[int] | None = None)
 
 
 def _run_shape(cfg: dict, rec: dict, summary: dict) -> tuple[int, int]:
+    """pp and dp the run started with (a re-pack shrinks pp later; summary.json has the final one)."""
     par = cfg.get("parallel", {})
-    dp = int(summary.get("dp") or par.get("dp") or 1)
-    pp = int(summary.get("pp") or par.get("pp") or 0)
-    if not pp:  # pp = 0 in the config means world / dp; the record has one entry per pipeline rank
-        pp = len(rec.get("worker_compute_s") or []) or len(rec["layout"]) - 1
+    dp = int(par.get("dp") or summary.get("dp") or 1)
+    pp = int(par.get("pp") or 0) or len(rec.get("worker_compute_s") or [])
+    if not pp:
+        v = int(par.get("virtual_stages") or 1)
+        pp = (len(rec["layout"]) - 1) // v
     return pp, dp
 
 
