@@ -139,3 +139,54 @@ def test_distributed_pruning_mask_is_global_unstructured_and_survives_training_a
     assert [r["prune_density"][1:-1] for r in recs[:3]] == [[1.0] * 4] * 3
     assert all(k in (0.0, 1.0) for k in recs[-1]["prune_kernel"][1:-1])
     assert all(t > 0 for t in recs[-1]["prune_dense_ms"][1:-1] + recs[-1]["prune_csr_ms"][1:-1])
+
+
+# ---- structured -----------------------------------------------------------------------------
+
+def test_structured_shrink_removes_units_and_a_full_size_block_loads_the_smaller_weights():
+    from dynmo.dynamics.prune import shrink_mlp, unit_scores
+
+    torch.manual_seed(0)
+    b = blocks(1)[0]
+    x = torch.randn(2, 5, 32)
+    keep = unit_scores(b.mlp).topk(40).indices.sort().values
+    ref = b.mlp.proj.weight.detach().clone()
+    with torch.no_grad():  # what removing the units means: their proj columns contribute nothing
+        zeroed = torch.zeros_like(ref)
+        zeroed[:, keep] = ref[:, keep]
+        b.mlp.proj.weight.copy_(zeroed)
+        want = b.mlp(x)
+    shrink_mlp(b.mlp, keep)
+    assert b.mlp.fc.weight.shape == (40, 32) and b.mlp.proj.weight.shape == (32, 40)
+    torch.testing.assert_close(b.mlp(x), want, rtol=1e-5, atol=1e-6)
+    fresh = blocks(1)[0]  # as a receiving rank rebuilds a migrated block: full size, then load
+    fresh.load_state_dict(b.state_dict(), strict=True)
+    assert fresh.mlp.fc.out_features == 40
+    torch.testing.assert_close(fresh(x, None)[0], b(x, None)[0])
+
+
+STRUCT = [*PRUNE, "--prune.structured", "true", "--steps", "9"]
+
+
+@pytest.mark.dist
+def test_structured_pruning_shrinks_blocks_globally_and_migrates_them_exactly(tmp_path):
+    run_train(tmp_path / "moved", *STRUCT, "--parallel.relayout", "5:0,2,6;7:0,4,6", "--checkpoint.every", "3")
+    run_train(tmp_path / "static", *STRUCT)
+    moved, static = metrics(tmp_path / "moved"), metrics(tmp_path / "static")
+    # shrunk blocks (weights, grads, AdamW moments) move both ways and train identically
+    assert [r["loss"] for r in moved] == [r["loss"] for r in static]
+    assert moved[-1]["layout"] == [0, 4, 6]
+    h = 4 * 64
+    hidden = [[int(v) for v in r["prune_hidden"][1:-1]] for r in moved]
+    assert hidden[2] == [h] * 4
+    assert sum(hidden[3]) == 4 * h - round(0.7 * 4 * h) and sum(hidden[-1]) == 4 * h - round(0.8 * 4 * h)
+    # the units kept at step 3 are the global top-k by norm over the whole model
+    w3, w6 = flat(tmp_path / "moved" / "checkpoint-3", tmp_path), flat(tmp_path / "moved" / "checkpoint-6", tmp_path)
+    norms = torch.cat([(w3[f"block{b}.mlp.fc.weight"].pow(2).sum(1) + w3[f"block{b}.mlp.fc.bias"].pow(2)
+                        + w3[f"block{b}.mlp.proj.weight"].pow(2).sum(0)).sqrt() for b in range(4)])
+    keep = torch.zeros_like(norms, dtype=torch.bool)
+    keep[norms.topk(sum(hidden[3])).indices] = True
+    assert [int(k.sum()) for k in keep.split(h)] == hidden[3]
+    assert [w6[f"block{b}.mlp.fc.weight"].shape[0] for b in range(4)] == hidden[3]
+    dens = moved[-1]["prune_density"][1:-1]
+    assert all(0 < d < 1 for d in dens) and moved[-1]["prune_macs_per_token"][1] < moved[2]["prune_macs_per_token"][1]
