@@ -163,6 +163,7 @@ class EarlyExitConfig:
     """CALM-style early exit of tokens (dynmo/dynamics/earlyexit.py)."""
 
     enabled: bool = False
+    max_per_check: int = 1  # most blocks frozen at one check (Egeria: one); 0 = no limit
     first_block: int = 2  # blocks from this one (0-based) on may let tokens exit
     threshold: float = 0.9  # per-token confidence at or above which a token exits
     start_step: int = 0  # no token exits before this step (the classifiers train from step 0)

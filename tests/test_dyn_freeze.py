@@ -38,7 +38,7 @@ def flat(ckpt, tmp):
 
 # a tolerance no plasticity reaches: blocks 0 and 1 freeze at the first check (step 4)
 FREEZE = ["--freeze.enabled", "true", "--freeze.start_step", "4", "--freeze.every", "2",
-          "--freeze.tolerance", "1e9", "--freeze.max_frozen", "2"]
+          "--freeze.tolerance", "1e9", "--freeze.max_frozen", "2", "--freeze.max_per_check", "0"]
 
 
 @pytest.mark.dist

@@ -11,7 +11,8 @@ itself. A block whose plasticity is below `freeze.tolerance` has converged.
 
 Blocks freeze front to back, as in Egeria: at each check (steps start_step, start_step +
 every, ...), the first not-yet-frozen block freezes if it has converged, then the next, and so
-on, at most `freeze.max_frozen` blocks (-1: all but the last). Front-first matters: the blocks
+on, at most `freeze.max_per_check` blocks per check (Egeria: one) and `freeze.max_frozen` in
+all (-1: all but the last). Front-first matters: the blocks
 before a trainable block must still back-propagate to it, so a frozen block in the middle saves
 less. Here the embedding stays trainable, so frozen blocks still run their input-gradient
 backward; what they skip is the weight-gradient computation (about half of a block's backward),
@@ -58,6 +59,8 @@ def check_options(f: FreezeConfig, n_blocks: int) -> None:
         raise ConfigError(f"freeze.tolerance={f.tolerance} must be > 0 (plasticity below it counts as converged)")
     if f.max_frozen < -1 or f.max_frozen > n_blocks:
         raise ConfigError(f"freeze.max_frozen={f.max_frozen}: use -1 (all but the last block) or 0..{n_blocks}")
+    if f.max_per_check < 0:
+        raise ConfigError(f"freeze.max_per_check={f.max_per_check}: use 0 (no limit) or a number of blocks >= 1")
 
 
 @torch.no_grad()
@@ -164,6 +167,8 @@ class Freeze(Case):
             p = self.progress[i]
             if sum(self.frozen) >= self.max_frozen or p is None or not p < self.opts.tolerance:
                 break  # front to back: stop at the first block still learning
+            if self.opts.max_per_check and len(newly) >= self.opts.max_per_check:
+                break
             self.frozen[i] = True
             newly.append(i)
         if not newly:
