@@ -138,10 +138,37 @@ def validate(cfg: Config, world: int) -> None:
         raise ConfigError("balance.repack = true needs a controller: set balance.when to every, dynamism or auto")
     if not bc.repack_tolerance >= 0:
         raise ConfigError(f"balance.repack_tolerance must be >= 0, got {bc.repack_tolerance}")
+    if bc.workers not in ("measure", "equal"):
+        raise ConfigError(f"unknown balance.workers {bc.workers!r}; choose equal or measure")
+    if bc.links not in ("measure", "free"):
+        raise ConfigError(f"unknown balance.links {bc.links!r}; choose measure or free")
+    if bc.speeds and (len(bc.speeds) != pp or min(bc.speeds) <= 0):
+        raise ConfigError(f"balance.speeds needs one positive speed per pipeline rank ({pp}), got {bc.speeds}")
     if bc.memory_gb < 0:
         raise ConfigError(f"balance.memory_gb must be >= 0 (0 = no cap), got {bc.memory_gb}")
     if bc.every < 1 or bc.window < 1:
         raise ConfigError("balance.every and balance.window must be >= 1")
+    if m.block == "moe":
+        o = m.moe
+        if not 1 <= o.top_k <= o.num_experts:
+            raise ConfigError(f"model.moe.top_k={o.top_k} must be in 1..model.moe.num_experts={o.num_experts}")
+        if o.capacity_factor < 0:
+            raise ConfigError("model.moe.capacity_factor must be >= 0 (0 = dropless)")
+    if m.block == "hashattn":
+        o = m.hashattn
+        if o.n_buckets < 1 or o.chunk < 1 or m.seq_len % o.chunk:
+            raise ConfigError(f"model.hashattn.chunk={o.chunk} must divide model.seq_len={m.seq_len} "
+                              f"and model.hashattn.n_buckets={o.n_buckets} must be >= 1")
+    if m.block == "mod":
+        o = m.mod
+        if o.routing not in ("topk", "predictor"):
+            raise ConfigError(f"model.mod.routing={o.routing!r}; use topk or predictor")
+        if o.capacities and len(o.capacities) != m.n_layers:
+            raise ConfigError(f"model.mod.capacities has {len(o.capacities)} entries; give one per block "
+                              f"(model.n_layers={m.n_layers}) or leave it empty to use model.mod.capacity everywhere")
+        bad = [c for c in [o.capacity, *o.capacities] if not 0.0 < c <= 1.0]
+        if bad:
+            raise ConfigError(f"model.mod capacities {bad} must be in (0, 1] (a fraction of each sequence)")
     bad = [b for b in cfg.skew.blocks if not 0 <= b < m.n_layers]
     if bad:
         raise ConfigError(f"skew.blocks {bad} outside 0..{m.n_layers - 1} (block numbers are 0-based)")

@@ -118,6 +118,13 @@ class BalanceConfig:
     retune_microbatches: bool = False  # after re-packing, pick microbatches for the shorter pipeline
     memory_gb: float = 0.0  # per-rank memory cap the balancer respects; 0 = no cap
     profile: bool = True  # per-layer timing hooks (needed by cost = "time"); false measures their overhead
+    # Worker speeds and link times in the stage cost, probed once at start-up. workers:
+    # "equal" (identical workers) | "measure" (every rank times a fixed matmul; a start-up probe
+    # on a shared machine can mistake a busy neighbour for a slow worker, hence not the default).
+    # links: "measure" (ping-pong one microbatch's activations on each pipeline link) | "free".
+    workers: str = "equal"
+    links: str = "measure"
+    speeds: list[float] = field(default_factory=list)  # per pipeline rank, e.g. [1.0, 0.5]; overrides workers
 
 
 @dataclass
@@ -156,6 +163,7 @@ class FreezeConfig:
     every: int = 5  # steps between convergence checks
     tolerance: float = 0.05  # a block whose progress metric changes less than this is converged
     max_frozen: int = -1  # most blocks frozen at once; -1 = all but the last block
+    max_per_check: int = 1  # most blocks frozen at one check (Egeria: one); 0 = no limit
 
 
 @dataclass
@@ -163,7 +171,6 @@ class EarlyExitConfig:
     """CALM-style early exit of tokens (dynmo/dynamics/earlyexit.py)."""
 
     enabled: bool = False
-    max_per_check: int = 1  # most blocks frozen at one check (Egeria: one); 0 = no limit
     first_block: int = 2  # blocks from this one (0-based) on may let tokens exit
     threshold: float = 0.9  # per-token confidence at or above which a token exits
     start_step: int = 0  # no token exits before this step (the classifiers train from step 0)

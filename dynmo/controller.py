@@ -84,6 +84,11 @@ class Controller:
     microbatches: int = 4
     repack: bool = False
     repack_tolerance: float = 0.05
+    # What the runtime measured about the workers and the memory (None = not modelled):
+    speeds: list[float] | None = None  # per pipeline position, relative (1 = reference)
+    transfer: list[float] | None = None  # per stage boundary: seconds to ship one microbatch's activations
+    memory: list[float] | None = None  # per layer: bytes it needs on a worker (state + activations in flight)
+    capacity: float | None = None  # bytes per worker
     # migration cost model: seconds = fixed_s + bytes / bandwidth
     fixed_s: float = 0.01  # prior until the first migration is measured (~10 ms seen here)
     bandwidth: float = 1e9
@@ -122,6 +127,18 @@ class Controller:
         moved = current.moves_to(new)
         return self.fixed_s + sum(layer_bytes[m.layer] for m in moved) / self.bandwidth if moved else 0.0
 
+    def problem(self, costs: list[float], stages: int, current: Layout | None = None) -> Problem:
+        """The balancing problem for the first `stages` pipeline positions."""
+        return Problem(
+            costs=costs,
+            stages=stages,
+            memory=self.memory if self.capacity else None,
+            capacity=self.capacity or None,
+            speeds=self.speeds[:stages] if self.speeds else None,
+            transfer=self.transfer[: stages - 1] if self.transfer and stages > 1 else None,
+            current=list(current.boundaries) if current is not None else None,
+        )
+
     def decide(self, step: int, current: Layout, layer_bytes: list[int], steps_left: int) -> Decision | None:
         if self.when == "never":
             return None
@@ -138,11 +155,12 @@ class Controller:
             d = self._repack(costs, current, layer_bytes, steps_left)
             if d is not None:
                 return d
-        result = balance(Problem(costs=costs, stages=current.num_stages, current=list(current.boundaries)), self.balancer)
+        problem = self.problem(costs, current.num_stages, current)
+        result = balance(problem, self.balancer)
         if result.boundaries is None:
             raise ValueError(f"balancer {self.balancer!r} gave a non-contiguous layout; pipelines need a contiguous one")
         new = Layout(tuple(result.boundaries))
-        now = max(current.stage_loads(costs))
+        now = max(problem.loads_of_assignment(current.owner()))
         slots = self.microbatches + current.num_stages - 1
         gain = (now - result.bottleneck) * slots * max(0, min(self.horizon, steps_left))
         cost = self.migration_cost(layer_bytes, current, new)
@@ -155,13 +173,17 @@ class Controller:
 
     def _repack(self, costs: list[float], current: Layout, layer_bytes: list[int], steps_left: int) -> Decision | None:
         p = current.num_stages
-        packed = repack(Problem(costs=costs, stages=p, current=list(current.boundaries)), self.repack_tolerance)
+        problem = self.problem(costs, p, current)
+        packed = repack(problem, self.repack_tolerance)
         k = len(packed.workers)
         if k >= p:
             return None
-        result = balance(Problem(costs=costs, stages=k), self.balancer)
+        result = balance(self.problem(costs, k), self.balancer)  # the runtime keeps positions 0..k-1
+        best = balance(problem, "optimal").bottleneck
+        if result.bottleneck > best * (1 + self.repack_tolerance) * (1 + 1e-9):
+            return None  # the kept prefix is slower than the workers the re-packer would keep
         new = Layout(tuple(result.boundaries))
-        now = max(current.stage_loads(costs))
+        now = max(problem.loads_of_assignment(current.owner()))
         cost = self.migration_cost(layer_bytes, current, new)
         slots_now, slots_new = self.microbatches + p - 1, self.microbatches + k - 1
         gain = (now * slots_now - result.bottleneck * slots_new) * max(0, min(self.horizon, steps_left))

@@ -72,12 +72,38 @@ class Trainer:
             repack_tolerance=b.repack_tolerance,
         )
         self.param_counts = layer_param_counts(cfg.model)
+        self.profile_s = 0.0  # profiler bookkeeping since the last decision
+        if b.when != "never":
+            self._measure_workers()
         # dynamic-model cases (dynmo.dynamics.case): same list, same order on every rank
         self.cases: list[Case] = [cls(self) for cls in CASES.values() if cls.enabled(cfg)]
         self.pipe.layer_extras = self.cases  # their per-layer state travels with migrating layers
         # re-layouts first: layers rebuilt by a migration must get this step's model changes too
         self.hooks: list[StepHook] = [self._forced_relayout, self._rebalance, self._skew, self._cases_before]
         self.kinds = [s.kind for s in self.pipe.specs]
+
+    def _measure_workers(self) -> None:
+        """Worker speeds and link times for the stage cost (one stage per rank only: with
+        virtual stages several stages share a worker and a link, which the load model of
+        dynmo.balance does not describe)."""
+        b, ctl, ctx = self.cfg.balance, self.controller, self.ctx
+        if self.cfg.parallel.virtual_stages != 1:
+            return
+        from dynmo.runtime import probe
+
+        speeds = [1.0] * ctx.pp
+        if b.workers == "measure":
+            # within 10% of the reference is noise, not a slower worker
+            speeds = [1.0 if abs(x - 1.0) < 0.1 else x for x in probe.measure_speeds(ctx)]
+        if b.speeds:
+            speeds = list(b.speeds)
+        ctl.speeds = speeds
+        if b.links == "measure" and ctx.pp > 1:
+            m = self.cfg.model
+            ctl.transfer = probe.measure_links(ctx, self.pipe.microbatch, m.seq_len, m.d_model)
+        if ctx.is_logger:
+            links = ", ".join(f"{t * 1e3:.2f}" for t in ctl.transfer or [])
+            print(f"dynmo: worker speeds {', '.join(f'{x:.2f}' for x in speeds)}; link ms/microbatch [{links}]", flush=True)
 
     # ---- hooks ---------------------------------------------------------------------------
     def _forced_relayout(self, trainer: "Trainer", step: int) -> list[dict]:
@@ -144,20 +170,35 @@ class Trainer:
             "predicted_gain_s": decision.predicted_gain_s,
             "predicted_migration_s": decision.predicted_cost_s,
             "decide_s": decide_s,
+            "profile_s": self.profile_s,
+            "speeds": ctl.speeds,
+            "transfer_s": ctl.transfer,
         }
+        self.profile_s = 0.0
         return [event]
 
     def _observe(self, rec: dict) -> None:
+        ctl = self.controller
+        self.profile_s += rec["profile_s"]
         if self.cfg.balance.cost == "params":
             costs = [float(c) for c in self.param_counts]
         else:
-            costs = [f + b for f, b in zip(rec["layer_fwd_s"], rec["layer_bwd_s"])]
+            costs = list(rec["layer_cost_s"])  # typical microbatch: robust to one slowed microbatch
+            if ctl.speeds and self.cfg.parallel.virtual_stages == 1:
+                # time on a worker of speed s is cost / s: undo it, so costs are worker-free
+                owner = self.pipe.layout.owner()
+                costs = [c * ctl.speeds[owner[i]] for i, c in enumerate(costs)]
+        # memory per layer as the balancer sees it: state + activations of the most microbatches
+        # any stage keeps in flight (conservative: the layer may land on the first stage)
+        held = max(self.pipe.in_flight(j) for j in range(self.pipe.num_stages))
+        ctl.memory = [s + held * a for s, a in zip(rec["layer_state_bytes"], rec["layer_act_bytes"])]
+        ctl.capacity = self.cfg.balance.memory_gb * 2**30 or None
         if any(e["type"] == "dynamism" for e in rec["events"]):
-            self.controller.dynamism()
-        self.controller.observe(costs)
+            ctl.dynamism()
+        ctl.observe(costs)
         for e in rec["events"]:
             if e["type"] == "migration":
-                self.controller.observe_migration(e["bytes"], e["seconds"])
+                ctl.observe_migration(e["bytes"], e["seconds"])
 
     # ---- batches ---------------------------------------------------------------------------
     def _local_batch(self, step: int, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,50 +281,65 @@ class Trainer:
     def _record(self, step: int, res: StepResult, events: list[dict]) -> dict:
         """Gather every rank's step figures onto all ranks and build the metrics record."""
         S, n = self.pipe.num_stages, len(self.pipe.specs)
-        mig_bytes = sum(e.get("bytes", 0) for e in events if e["type"] == "migration")
-        mig_s = sum(e.get("seconds", 0.0) for e in events if e["type"] == "migration")
-        vec = torch.zeros(S + 6 + 2 * n, dtype=torch.float64)
+        mig = [e for e in events if e["type"] == "migration"]
+        scalars = [res.schedule_s, res.step_s, res.loss_sum, res.loss_count, sum(e.get("bytes", 0) for e in mig),
+                   sum(e.get("seconds", 0.0) for e in mig), res.profile_s, res.peak_bytes]
+        K = len(scalars)
+        R = 5  # per-layer rows
+        vec = torch.zeros(S + K + R * n, dtype=torch.float64)
         for s, c in res.stage_compute_s.items():
             vec[s] = c
-        vec[S : S + 6] = torch.tensor([res.schedule_s, res.step_s, res.loss_sum, res.loss_count, mig_bytes, mig_s], dtype=torch.float64)
-        L = S + 6
+        vec[S : S + K] = torch.tensor(scalars, dtype=torch.float64)
+        # fwd s, bwd s, activation bytes / microbatch, state bytes, typical cost s / microbatch
+        per_layer = vec[S + K :].view(R, n)
         for i, (f, b) in res.layer_times.items():
-            vec[L + i], vec[L + n + i] = f, b
+            per_layer[0, i], per_layer[1, i] = f, b
+        for i, a in res.layer_act_bytes.items():
+            per_layer[2, i] = a
+        for i, m in res.layer_state_bytes.items():
+            per_layer[3, i] = m
+        for i, c in res.layer_costs.items():
+            per_layer[4, i] = c
         parts = [torch.zeros_like(vec) for _ in range(self.ctx.active_world)]
         dist.all_gather(parts, vec, group=self.ctx.active_group)
-        allv = torch.stack(parts)  # [world, S + 6 + 2n]
+        allv = torch.stack(parts)  # [active ranks (replica-major), S + K + 4n]
         dp, pp = self.ctx.dp, self.ctx.pp
         stage_compute = (allv[:, :S].sum(0) / dp).tolist()  # each stage once per replica
-        iteration = float(allv[:, S].max())
-        step_s = float(allv[:, S + 1].max())
+        sc = allv[:, S : S + K]
+        iteration, step_s = float(sc[:, 0].max()), float(sc[:, 1].max())
         # per pipeline worker, averaged over replicas
         worker_compute = [float(allv[[r * pp + w for r in range(dp)], :S].sum() / dp) for w in range(pp)]
         worker_idle = [max(0.0, iteration - c) for c in worker_compute]
-        loss = float(allv[:, S + 2].sum() / max(1.0, float(allv[:, S + 3].sum())))
-        for e in events:
-            if e["type"] == "migration":
-                e["bytes"] = int(allv[:, S + 4].sum())
-                e["seconds"] = float(allv[:, S + 5].max())
+        loss = float(sc[:, 2].sum() / max(1.0, float(sc[:, 3].sum())))
+        for e in mig:
+            e["bytes"] = int(sc[:, 4].sum())
+            e["seconds"] = float(sc[:, 5].max())
         tokens = self.cfg.train.global_batch * self.cfg.model.seq_len
         per_mb = dp * self.pipe.microbatches  # each layer runs once per microbatch per replica
-        layer_fwd = (allv[:, L : L + n].sum(0) / per_mb).tolist()
-        layer_bwd = (allv[:, L + n : L + 2 * n].sum(0) / per_mb).tolist()
+        layers = allv[:, S + K :].view(-1, R, n).sum(0)
+        layer_fwd, layer_bwd = (layers[0] / per_mb).tolist(), (layers[1] / per_mb).tolist()
+        act, state, cost = (layers[2] / dp).tolist(), (layers[3] / dp).tolist(), (layers[4] / dp).tolist()
+        lay = self.pipe.layout
+        stage_memory = [
+            sum(state[i] for i in lay.layers(j)) + self.pipe.in_flight(j) * sum(act[i] for i in lay.layers(j))
+            for j in range(S)
+        ]
         stats: dict[str, list] = {}
         if self.cases:
-            parts: list = [None] * self.ctx.active_world
+            gathered: list = [None] * self.ctx.active_world
             mine: dict = {}
             for c in self.cases:
                 mine.update(c.layer_stats())
-            dist.all_gather_object(parts, mine, group=self.ctx.active_group)
-            stats = merge_layer_stats(parts, n)
-        return stats | {
+            dist.all_gather_object(gathered, mine, group=self.ctx.active_group)
+            stats = merge_layer_stats(gathered, n)
+        rec = stats | {
             "step": step,
             "loss": loss,
             "tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
             "step_s": step_s,
             "iteration_s": iteration,
-            "layout": list(self.pipe.layout.boundaries),
-            "layout_str": self.pipe.layout.format(self.kinds),
+            "layout": list(lay.boundaries),
+            "layout_str": lay.format(self.kinds),
             "stage_compute_s": stage_compute,
             "stage_idle_s": [max(0.0, iteration - c) for c in stage_compute],
             "worker_compute_s": worker_compute,
@@ -294,10 +350,18 @@ class Trainer:
             "imbalance": imbalance(stage_compute),
             "layer_fwd_s": layer_fwd,
             "layer_bwd_s": layer_bwd,
+            "layer_cost_s": cost,
+            "layer_act_bytes": act,
+            "layer_state_bytes": state,
+            "stage_memory_bytes": stage_memory,
+            "profile_s": float(sc[:, 6].max()),
             "grad_norm": res.grad_norm,
             "lr": self.pipe.optimizer.param_groups[0]["lr"],
             "events": events,
         }
+        if self.ctx.device.type == "cuda":
+            rec["worker_peak_memory_bytes"] = [float(allv[[r * pp + w for r in range(dp)], S + 7].max()) for w in range(pp)]
+        return rec
 
 
 def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:

@@ -36,6 +36,11 @@ def dynmo_train(tmp_path, *args, nproc=2):
         (["--model.d_model", "65"], 2, "divisible by model.n_heads"),
         (["--train.stepz", "3"], 2, "unknown field train.stepz"),
         (["--checkpoint.resume", "/no/such/ckpt"], 2, "not a dynmo checkpoint"),
+        (["--model.block", "mod", "--model.mod.capacities", "1;0.5"], 2, "give one per block"),
+        (["--model.block", "hashattn", "--model.hashattn.chunk", "5"], 2, "must divide model.seq_len"),
+        (["--model.block", "moe", "--model.moe.top_k", "9"], 2, "must be in 1..model.moe.num_experts"),
+        (["--balance.repack", "true"], 2, "needs a controller"),
+        (["--balance.speeds", "1.0"], 2, "one positive speed per pipeline rank"),
     ],
 )
 def test_bad_input_fails_fast_with_a_clear_message(tmp_path, args, nproc, message):

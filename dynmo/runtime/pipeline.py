@@ -38,6 +38,11 @@ class StepResult:
     stage_compute_s: dict[int, float]  # per local stage: seconds computing
     layer_times: dict[int, tuple[float, float]]  # per local layer: (fwd s, bwd s) summed over microbatches
     grad_norm: float
+    layer_costs: dict[int, float] = field(default_factory=dict)  # per local layer: median fwd+bwd s of a microbatch
+    layer_act_bytes: dict[int, float] = field(default_factory=dict)  # per local layer, per microbatch
+    layer_state_bytes: dict[int, int] = field(default_factory=dict)  # weights + grads + optimizer state
+    profile_s: float = 0.0  # host seconds in the profiler's bookkeeping (saved-tensor accounting)
+    peak_bytes: int = 0  # CUDA: this rank's peak allocated memory in the step; 0 on CPU
 
 
 @dataclass
@@ -111,7 +116,8 @@ class Pipeline:
         self.stages: list[TimedPipelineStage] = []
         for s in self.my_stages():
             idx = list(self.layout.layers(s))
-            module = StageModule([self.specs[i].name for i in idx], [self.layers[i] for i in idx], idx)
+            module = StageModule([self.specs[i].name for i in idx], [self.layers[i] for i in idx], idx,
+                                 profile=self.cfg.balance.profile, device=self.ctx.device)
             inputs, outputs = example_io(
                 s == 0, s == self.num_stages - 1, self.microbatch, m.seq_len, m.d_model, m.vocab_size, self.ctx.device
             )
@@ -134,6 +140,9 @@ class Pipeline:
         t0 = time.perf_counter()
         for st in self.stages:
             st.reset_timers()
+        cuda = self.ctx.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.ctx.device)
         losses: list[torch.Tensor] = []
         self.schedule.step(inputs.to(self.ctx.device), target=targets.to(self.ctx.device), losses=losses)
         t_sched = time.perf_counter() - t0
@@ -143,6 +152,7 @@ class Pipeline:
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         self.optimizer.step()
+        state_bytes = self.layer_state_bytes()  # grads still allocated: the step's peak
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(
             loss_sum=float(sum(l.item() for l in losses)),
@@ -152,7 +162,34 @@ class Pipeline:
             stage_compute_s={st.stage_index: st.compute_s for st in self.stages},
             layer_times={i: t for st in self.stages for i, t in st.submod.layer_times().items()},
             grad_norm=grad_norm,
+            layer_costs={i: c for st in self.stages for i, c in st.submod.layer_costs().items()},
+            layer_act_bytes={i: b for st in self.stages for i, b in st.submod.layer_act_bytes().items()},
+            layer_state_bytes=state_bytes,
+            profile_s=sum(st.submod.profile_s for st in self.stages),
+            peak_bytes=int(torch.cuda.max_memory_allocated(self.ctx.device)) if cuda else 0,
         )
+
+    def layer_state_bytes(self) -> dict[int, int]:
+        """Bytes each local layer holds: weights, gradients and optimizer state."""
+        out = {}
+        for i, layer in self.layers.items():
+            total = 0
+            for p in layer.parameters():
+                total += p.numel() * p.element_size()
+                if p.grad is not None:
+                    total += p.grad.numel() * p.grad.element_size()
+                for v in self.optimizer.state.get(p, {}).values():
+                    if isinstance(v, torch.Tensor):
+                        total += v.numel() * v.element_size()
+            out[i] = total
+        return out
+
+    def in_flight(self, stage: int) -> int:
+        """Microbatches whose activations stage `stage` holds at its peak (an estimate):
+        GPipe keeps all of them; 1F1B-style schedules keep one per stage still ahead of it
+        (stage s of S warms up with S - s forwards), at most the microbatch count."""
+        m = self.microbatches
+        return m if self.cfg.parallel.schedule == "gpipe" else min(m, self.num_stages - stage)
 
     def _grads(self) -> list[torch.Tensor]:
         return [p.grad for i in sorted(self.layers) for p in self.layers[i].parameters() if p.grad is not None]

@@ -1,6 +1,7 @@
 """A stage's module (its contiguous layers) and a PipelineStage that times its compute.
 
-Per-layer timing, cheap enough for every step (a perf_counter per layer per microbatch):
+Per-layer timing, cheap enough for every step (a clock mark per layer per microbatch:
+perf_counter on CPU, CUDA events on GPU, resolved after the step):
   forward   time around each layer's call;
   backward  one-shot tensor hooks on every layer boundary. Backward runs the stage's layers
             last to first; the hook on layer k's output fires when its gradient is complete,
@@ -11,10 +12,18 @@ Per-layer timing, cheap enough for every step (a perf_counter per layer per micr
   weight    zero-bubble schedules compute weight gradients in a separate pass that has no
             per-layer boundary; its time is shared among the stage's layers in proportion to
             their input-backward time (documented fallback).
+  memory    activations saved for backward, per layer per microbatch: a saved-tensors hook
+            adds up the storages autograd keeps (each storage once per forward; parameters
+            excluded). The pipeline turns it into a per-stage estimate with the number of
+            microbatches the schedule keeps in flight.
+
+With `profile=False` the module runs its layers with no marks, hooks or counters (to measure
+what the profiler costs).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -22,110 +31,218 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 
 
+class Clock:
+    """Marks and spans: perf_counter on CPU; CUDA events on GPU (kernels run asynchronously, so
+    host time would measure launches). Spans are resolved once per step, after the step."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def seconds(self, a, b) -> float:
+        return a.elapsed_time(b) / 1000.0 if self.cuda else b - a
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
 class StageModule(nn.Module):
     """Runs its layers in order; keys are the stable layer names (embed, block3, head)."""
 
-    def __init__(self, names: list[str], layers: list[nn.Module], indices: list[int]):
+    def __init__(self, names: list[str], layers: list[nn.Module], indices: list[int], profile: bool = True,
+                 device: torch.device | None = None):
         super().__init__()
         self.layers = nn.ModuleDict(dict(zip(names, layers)))
         self.indices = indices  # global layer index of each local layer
-        self.fwd_s = [0.0] * len(indices)  # summed over the step's microbatches
-        self.bwd_s = [0.0] * len(indices)
-        self.wgrad_s = 0.0
-        self._mark = 0.0
+        self.profile = profile
+        self.clock = Clock(device or torch.device("cpu"))
+        self.reset_timers()
 
     def reset_timers(self) -> None:
-        self.fwd_s = [0.0] * len(self.indices)
-        self.bwd_s = [0.0] * len(self.indices)
-        self.wgrad_s = 0.0
+        # spans: (bucket, local layer position, microbatch, start mark, end mark); buckets f, b, w, c
+        self.spans: list[tuple[str, int, int, object, object]] = []
+        self.backwards = 0
+        self.act_bytes = [0] * len(self.indices)  # activations saved for backward, summed over microbatches
+        self.forwards = 0
+        self.profile_s = 0.0  # host seconds spent in the profiler's own bookkeeping
+        self._mark = None
 
     def forward(self, *args):
+        if not self.profile:
+            out = args
+            for layer in self.layers.values():
+                out = layer(*out)
+                if not isinstance(out, tuple):
+                    out = (out,)
+            return out[0] if len(out) == 1 else out
         out = args
-        hooks = torch.is_grad_enabled()
-        if hooks and isinstance(out[0], torch.Tensor) and out[0].requires_grad:
-            self._hook(out[0], 0)  # the stage input: its gradient closes layer 0's backward
-        t = time.perf_counter()
+        grad = torch.is_grad_enabled()
+        if grad:
+            self.forwards += 1
+            if isinstance(out[0], torch.Tensor) and out[0].requires_grad:
+                self._hook(out[0], 0)  # the stage input: its gradient closes layer 0's backward
+        seen: set[int] = set()  # storages already counted in this forward (views, shared inputs)
         last = len(self.indices) - 1
+        clock = self.clock
+        t = clock.mark()
         for k, layer in enumerate(self.layers.values()):
-            out = layer(*out)
+            if grad:
+                with torch.autograd.graph.saved_tensors_hooks(self._packer(k, seen), _unpack):
+                    out = layer(*out)
+            else:
+                out = layer(*out)
             if not isinstance(out, tuple):
                 out = (out,)
-            now = time.perf_counter()
-            self.fwd_s[k] += now - t
+            now = clock.mark()
+            self.spans.append(("f", k, self.forwards, t, now))
             t = now
-            if hooks and k < last and out[0].requires_grad:
+            if grad and k < last and out[0].requires_grad:
                 self._hook(out[0], k + 1)
         return out[0] if len(out) == 1 else out
+
+    def _packer(self, k: int, seen: set[int]):
+        def pack(t: torch.Tensor):
+            h = time.perf_counter()
+            if not (t.is_leaf and t.requires_grad):  # parameters are state, not activations
+                st = t.untyped_storage()
+                if st.data_ptr() not in seen:
+                    seen.add(st.data_ptr())
+                    self.act_bytes[k] += st.nbytes()
+            self.profile_s += time.perf_counter() - h
+            return t
+
+        return pack
 
     def _hook(self, tensor: torch.Tensor, layer_pos: int) -> None:
         """When `tensor`'s gradient is ready, the backward of local layer `layer_pos` is done."""
         handle = None
 
         def fire(grad):
-            now = time.perf_counter()
-            self.bwd_s[layer_pos] += now - self._mark
+            now = self.clock.mark()
+            self.spans.append(("b", layer_pos, self.backwards, self._mark, now))
             self._mark = now
             handle.remove()  # one-shot: receive buffers are reused across microbatches
 
         handle = tensor.register_hook(fire)
 
     def begin_backward(self) -> None:
-        self._mark = time.perf_counter()
+        self.backwards += 1
+        self._mark = self.clock.mark()
 
     def end_backward(self) -> None:
         # Whatever ran after the last boundary hook belongs to the first local layer.
-        self.bwd_s[0] += time.perf_counter() - self._mark
+        self.spans.append(("b", 0, self.backwards, self._mark, self.clock.mark()))
+
+    def backward_spans(self) -> int:
+        return sum(1 for sp in self.spans if sp[0] == "b")
+
+    def _sums(self) -> dict[str, list[float]]:
+        self.clock.sync()
+        n = len(self.indices)
+        out = {"f": [0.0] * n, "b": [0.0] * n, "w": [0.0], "c": [0.0]}
+        per_mb: dict[tuple[str, int], dict[int, float]] = {}
+        for bucket, k, mb, a, b in self.spans:
+            dt = self.clock.seconds(a, b)
+            out[bucket][k] += dt
+            if bucket in "fb":
+                d = per_mb.setdefault((bucket, k), {})
+                d[mb] = d.get(mb, 0.0) + dt
+        self._per_mb = per_mb
+        return out
 
     def layer_times(self) -> dict[int, tuple[float, float]]:
         """{global layer index: (forward s, backward s)} summed over the step's microbatches."""
-        bwd = list(self.bwd_s)
-        if self.wgrad_s:
+        sums = self._sums()
+        bwd, wgrad = sums["b"], sums["w"][0]
+        if wgrad:
             total = sum(bwd)
             share = [b / total if total > 0 else 1 / len(bwd) for b in bwd]
-            bwd = [b + self.wgrad_s * s for b, s in zip(bwd, share)]
-        return {i: (f, b) for i, f, b in zip(self.indices, self.fwd_s, bwd)}
+            bwd = [b + wgrad * s for b, s in zip(bwd, share)]
+        return {i: (f, b) for i, f, b in zip(self.indices, sums["f"], bwd)}
+
+    def layer_costs(self) -> dict[int, float]:
+        """{global layer index: typical forward + backward seconds of one microbatch}: the median
+        over the step's microbatches, so a microbatch slowed by something else on the machine
+        (a preempted process, a GC pause) does not move the balancer; the weight-gradient pass
+        of zero-bubble schedules is added as its per-microbatch mean share."""
+        sums = self._sums()
+        times = self.layer_times()
+        n_mb = max(self.forwards, 1)
+        out = {}
+        for k, i in enumerate(self.indices):
+            f = self._per_mb.get(("f", k), {})
+            b = self._per_mb.get(("b", k), {})
+            if not f:
+                continue
+            w_share = (times[i][1] - sums["b"][k]) / n_mb  # this layer's part of the wgrad pass
+            out[i] = statistics.median(f.values()) + (statistics.median(b.values()) if b else 0.0) + w_share
+        return out
+
+    def compute_seconds(self) -> float:
+        return self._sums()["c"][0]
+
+    def layer_act_bytes(self) -> dict[int, float]:
+        """{global layer index: activation bytes saved for backward per microbatch}."""
+        n = max(self.forwards, 1)
+        return {i: b / n for i, b in zip(self.indices, self.act_bytes)}
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 class TimedPipelineStage(PipelineStage):
-    """PipelineStage that adds up the seconds it spends computing (not waiting or sending)."""
+    """PipelineStage that adds up the time it spends computing (not waiting or sending)."""
 
-    compute_s: float = 0.0
+    @property
+    def compute_s(self) -> float:
+        return self.submod.compute_seconds()
 
     def reset_timers(self) -> None:
-        self.compute_s = 0.0
         self.submod.reset_timers()
 
+    def _span(self, t0) -> None:
+        mod = self.submod
+        mod.spans.append(("c", 0, 0, t0, mod.clock.mark()))
+
     def forward_one_chunk(self, *args, **kwargs):
-        t = time.perf_counter()
+        t = self.submod.clock.mark()
         try:
             return super().forward_one_chunk(*args, **kwargs)
         finally:
-            self.compute_s += time.perf_counter() - t
+            self._span(t)
 
     def backward_one_chunk(self, *args, **kwargs):
-        t = time.perf_counter()
-        self.submod.begin_backward()
+        mod = self.submod
+        t = mod.clock.mark()
+        mod.begin_backward()
         try:
             return super().backward_one_chunk(*args, **kwargs)
         finally:
-            self.submod.end_backward()
-            self.compute_s += time.perf_counter() - t
+            mod.end_backward()
+            self._span(t)
 
     def backward_weight_one_chunk(self, *args, **kwargs):
-        t = time.perf_counter()
         mod = self.submod
-        before = sum(mod.bwd_s)
+        t = mod.clock.mark()
+        before = mod.backward_spans()
         mod.begin_backward()
         try:
             return super().backward_weight_one_chunk(*args, **kwargs)
         finally:
-            dt = time.perf_counter() - t
-            if sum(mod.bwd_s) != before:
+            if mod.backward_spans() != before:
                 # torch runs the first stage's whole backward here: boundary hooks fired
                 mod.end_backward()
             else:
-                mod.wgrad_s += dt
-            self.compute_s += dt
+                mod.spans.append(("w", 0, 0, t, mod.clock.mark()))
+            self._span(t)
 
 
 def example_io(

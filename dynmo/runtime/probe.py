@@ -1,0 +1,77 @@
+"""Start-up probes of the workers and links, for the stage cost (SPEC: stage load divided by
+worker speed, plus the activation transfer to the next stage).
+
+speeds     every rank times the same fixed matmul workload; speed = reference time / own time,
+           the reference being pipeline position 0 (averaged over data-parallel replicas).
+           A probe, not a model: a worker slowed later (thermal, a noisy neighbour) is not seen.
+transfer   each pipeline link j -> j+1 ping-pongs one microbatch's boundary activations
+           (hidden state + token mask); a microbatch crosses the link twice per step (the
+           activation forward, its gradient backward), so t_j = 2 x one-way time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from dynmo.runtime.dist import DistContext
+
+
+def _matmul_seconds(device: torch.device, n: int = 256, reps: int = 8, rounds: int = 5) -> float:
+    g = torch.Generator(device="cpu").manual_seed(0)
+    a = torch.randn(n, n, generator=g).to(device)
+    b = torch.randn(n, n, generator=g).to(device)
+    times = []
+    for _ in range(rounds):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        for _ in range(reps):
+            a = torch.tanh(a @ b)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[1:])  # the first round warms up
+
+
+def measure_speeds(ctx: DistContext) -> list[float]:
+    """Relative speed of each pipeline position (1.0 = position 0), same on every rank."""
+    mine = torch.tensor([_matmul_seconds(ctx.device)], dtype=torch.float64)
+    parts = [torch.zeros(1, dtype=torch.float64) for _ in range(ctx.active_world)]
+    dist.all_gather(parts, mine, group=ctx.active_group)
+    per_pos = [statistics.fmean(float(parts[r * ctx.pp + j]) for r in range(ctx.dp)) for j in range(ctx.pp)]
+    return [per_pos[0] / t for t in per_pos]
+
+
+def measure_links(ctx: DistContext, microbatch: int, seq_len: int, d_model: int, rounds: int = 6) -> list[float]:
+    """Seconds per microbatch on each link j -> j+1 of this replica's pipeline (both directions),
+    averaged over replicas; the same list on every rank."""
+    pp, me = ctx.pp, ctx.pp_rank
+    hidden = torch.zeros(microbatch, seq_len, d_model, device=ctx.device)
+    mask = torch.ones(microbatch, seq_len, dtype=torch.bool, device=ctx.device)
+    links = torch.zeros(max(pp - 1, 1), dtype=torch.float64)
+    for j in range(pp - 1):  # every rank walks the links in order; only the two ends act
+        if me not in (j, j + 1):
+            continue
+        peer = j + 1 if me == j else j
+        times = []
+        for _ in range(rounds):
+            t = time.perf_counter()
+            for tensor in (hidden, mask):
+                if me == j:
+                    dist.send(tensor, group=ctx.pp_group, group_dst=peer)
+                    dist.recv(tensor, group=ctx.pp_group, group_src=peer)
+                else:
+                    dist.recv(tensor, group=ctx.pp_group, group_src=peer)
+                    dist.send(tensor, group=ctx.pp_group, group_dst=peer)
+            times.append(time.perf_counter() - t)
+        if me == j:
+            links[j] = statistics.median(times[1:])  # a round trip = one forward + one backward crossing
+    parts = [torch.zeros_like(links) for _ in range(ctx.active_world)]
+    dist.all_gather(parts, links, group=ctx.active_group)
+    if pp < 2:
+        return []
+    return [statistics.fmean(float(parts[r * pp + j][j]) for r in range(ctx.dp)) for j in range(pp - 1)]
