@@ -48,12 +48,15 @@ def _run(cfg: Config, steps: int, dp: int):
                 loss = loss_fn(out[0], y)
                 loss.backward()
                 step_losses.append(loss.item())
-            grads = [p.grad.div_(n_mb).clone() for layer in layers.values() for p in layer.parameters()]
+            # a parameter no loss reaches (e.g. an unused MoD predictor) keeps no gradient, as in AdamW
+            grads = [None if p.grad is None else p.grad.div_(n_mb).clone() for layer in layers.values() for p in layer.parameters()]
             replica_grads.append(grads)
             opt.zero_grad(set_to_none=True)
         params = [p for layer in layers.values() for p in layer.parameters()]
         for k, p in enumerate(params):
             g = replica_grads[0][k]
+            if g is None:
+                continue
             for r in range(1, dp):
                 g = g + replica_grads[r][k]
             p.grad = g.div_(dp) if dp > 1 else g
@@ -61,7 +64,8 @@ def _run(cfg: Config, steps: int, dp: int):
         _, scale = optim.clip_coefficient(sq, cfg.train.grad_clip)
         if scale != 1.0:
             for p in params:
-                p.grad.mul_(scale)
+                if p.grad is not None:
+                    p.grad.mul_(scale)
         for g in opt.param_groups:
             g["lr"] = optim.lr_at(step, cfg.train)
         opt.step()
