@@ -27,6 +27,13 @@ def test_plasticity_is_zero_for_an_unchanged_block_and_grows_with_the_change():
                 p.copy_(ref[k] + eps * torch.ones_like(p))
         moved.append(plasticity(block, ref, x, mask))
     assert 0 < moved[0] < moved[1]
+    from dynmo.config import EarlyExitConfig
+    from dynmo.dynamics.earlyexit import ExitRouter
+
+    block.token_router = ExitRouter(EarlyExitConfig(), can_exit=False)
+    block(x, mask)
+    plasticity(block, ref, x, mask)  # the probe forwards are not counted as training work
+    assert block.token_router.summary()["active_tokens"] == 2 * 8
     with pytest.raises(ConfigError, match="max_frozen"):
         check_options(FreezeConfig(max_frozen=9), 4)
 

@@ -66,8 +66,23 @@ def check_options(f: FreezeConfig, n_blocks: int) -> None:
 @torch.no_grad()
 def plasticity(block: nn.Module, ref: dict[str, torch.Tensor], x: torch.Tensor, mask: torch.Tensor) -> float:
     """||f_now(x) - f_ref(x)|| / ||f_now(x) - x||: how much the block's function moved since `ref`."""
-    now = block(x, mask)[0]
-    old = functional_call(block, ref, (x, mask), strict=True)[0]
+    # The probe forwards are not training work: keep them out of the block's own statistics
+    # (early-exit router, MoE/MoD step stats).
+    router = getattr(block, "token_router", None)
+    saved = {k: getattr(block, k) for k in ("_stats", "last_stats") if hasattr(block, k)}
+    saved_router = router.stats if router is not None else None
+    try:
+        if "_stats" in saved:  # the stats objects are updated in place: give the probe fresh ones
+            block._stats = type(saved["_stats"])()
+        if router is not None:
+            router.stats = type(saved_router)()
+        now = block(x, mask)[0]
+        old = functional_call(block, ref, (x, mask), strict=True)[0]
+    finally:
+        for k, v in saved.items():
+            setattr(block, k, v)
+        if router is not None:
+            router.stats = saved_router
     return float((now - old).norm() / (now - x).norm().clamp_min(1e-12))
 
 
