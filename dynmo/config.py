@@ -190,6 +190,7 @@ class LogConfig:
     every: int = 1
     tensorboard: bool = True
     progress: bool = True
+    trace: str = ""  # per-layer cost trace for `dynmo simulate --trace` (JSON Lines); "" = none
 
 
 @dataclass

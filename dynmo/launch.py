@@ -3,7 +3,7 @@
     dynmo train --nproc 2 --config configs/default.toml --steps 50 --out runs/default \
         [--section.field VALUE ...]
 
-`--steps` and `--out` are shorthands for `--train.steps` and `--out`. Everything after the
+`--steps`, `--out` and `--trace` are shorthands for `--train.steps`, `--out` and `--log.trace`. Everything after the
 known flags is passed on as config overrides. On a cluster, call torchrun yourself:
 `torchrun --nnodes ... --nproc-per-node 8 -m dynmo.train --config FILE ...`.
 """
@@ -14,6 +14,7 @@ import argparse
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from dynmo import checks
 from dynmo.config import ConfigError, load_config
@@ -28,11 +29,14 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--config", default=None, help="TOML config file, e.g. configs/default.toml")
     ap.add_argument("--steps", type=int, default=None, help="training steps (= --train.steps)")
     ap.add_argument("--out", default=None, help="run folder for metrics, checkpoints, TensorBoard")
+    ap.add_argument("--trace", default=None, help="write a per-layer cost trace (JSON Lines, docs/simulator.md) here (= --log.trace)")
     args, overrides = ap.parse_known_args(argv)
     if args.steps is not None:
         overrides += ["--train.steps", str(args.steps)]
     if args.out is not None:
         overrides += ["--out", args.out]
+    if args.trace is not None:
+        overrides += ["--log.trace", str(Path(args.trace).resolve())]
     if args.nproc < 1:
         print("dynmo train: error: --nproc must be >= 1", file=sys.stderr)
         return 2

@@ -221,6 +221,12 @@ class Trainer:
                 f"{len(self.pipe.specs)} layers, layout {self.pipe.layout.format(self.kinds)}",
                 flush=True,
             )
+        trace = None
+        if ctx.is_logger and cfg.log.trace:
+            from dynmo.sim.trace import TraceHeader, TraceWriter
+
+            header = TraceHeader.from_config(cfg.to_dict(), self.param_counts, ctx.pp, ctx.dp)
+            trace = TraceWriter(cfg.log.trace, header)
         t_start = time.perf_counter()
         losses: list[float] = []
         speeds: list[float] = []
@@ -244,8 +250,12 @@ class Trainer:
             speeds.append(rec["tokens_per_s"])
             if log:
                 log.log(rec)
+            if trace:
+                trace.write_step(rec)
             if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0:
                 checkpoint.save(self.pipe, self.out / f"checkpoint-{step + 1}", step + 1, cfg)
+        if trace:
+            trace.close()
         if cfg.checkpoint.final:
             checkpoint.save(self.pipe, self.out / "checkpoint-final", cfg.train.steps, cfg)
         summary = {
