@@ -139,6 +139,10 @@ def test_distributed_pruning_mask_is_global_unstructured_and_survives_training_a
     assert [r["prune_density"][1:-1] for r in recs[:3]] == [[1.0] * 4] * 3
     assert all(k in (0.0, 1.0) for k in recs[-1]["prune_kernel"][1:-1])
     assert all(t > 0 for t in recs[-1]["prune_dense_ms"][1:-1] + recs[-1]["prune_csr_ms"][1:-1])
+    # resuming restores the masks from the saved zeros (then prunes again at step 6): same run
+    run_train(tmp_path / "resumed", "--steps", "9", *PRUNE, "--prune.kernel", "csr",
+              "--checkpoint.resume", str(tmp_path / "checkpoint-6"), "--parallel.layout", "0,2,6")
+    assert [r["loss"] for r in metrics(tmp_path / "resumed")] == pytest.approx([r["loss"] for r in recs[6:]], rel=1e-5)
 
 
 # ---- structured -----------------------------------------------------------------------------

@@ -41,7 +41,8 @@ Structured pruning (`prune.structured = true`): whole MLP hidden units (a row of
 matching column of proj) are removed by a global L2-norm criterion, so the dense matrices
 really shrink (every block keeps at least one unit). A migrated block is rebuilt at full size
 and resizes itself when loading the smaller weights (`dynmo.model.gpt.MLP`). Resuming a
-checkpoint of a structurally pruned model is not supported.
+checkpoint of a structurally pruned model is not supported (the loader builds full-size
+layers); resuming an unstructured one restores the masks from the saved zeros.
 
 Per-layer metrics: prune_density (live / original Linear weights), prune_kernel (0 dense,
 1 csr), prune_dense_ms / prune_csr_ms (measured fwd+bwd of the block's Linears at the last
@@ -299,6 +300,19 @@ class Prune(Case):
         self.kernel: dict[int, str] = {}  # layer index -> chosen kernel (unstructured, after pruning)
         self.timings: dict[int, dict[str, float]] = {}
         self.sparsity = 0.0
+        done = [t for t in range(trainer.start_step) if (sparsity_at(t, self.opts) or 0.0) > 0.0]
+        if done and not self.opts.structured:
+            self._restore_masks(sparsity_at(done[-1], self.opts))
+
+    def _restore_masks(self, s: float) -> None:
+        """Resuming a pruned run: pruned weights were saved as exact zeros, the masks are those."""
+        self.sparsity = s
+        blocks = self._blocks()
+        per_block = {i: {n: lin.weight.detach() != 0 for n, lin in self._linears(b).items()} for i, b in blocks.items()}
+        self._choose_kernels(blocks, per_block)
+        for i, ms in per_block.items():
+            for name, mask in ms.items():
+                set_mask(blocks[i].get_submodule(name), mask, self.kernel[i])
 
     # ---- helpers ----
     def _blocks(self) -> dict[int, nn.Module]:
