@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from dynmo.config import ConfigError, ModelConfig, PruneConfig
 from dynmo.dynamics.prune import PRUNABLE, Pattern, _CSRLinear, check_options, global_keep, sparsity_at
-from dynmo.model.gpt import Block, LayerSpec, build_layer
+from dynmo.model.gpt import LayerSpec, build_layer
 from tests.conftest import metrics, run_train
 
 
