@@ -72,8 +72,8 @@ def active_forward(block: nn.Module, x: torch.Tensor, mask: torch.Tensor) -> tup
     """
     B, T, D = x.shape
     A = int(mask.sum(1).max())
-    if A == 0:
-        return x, 0
+    if A == 0:  # every token has exited: nothing to compute (a copy, never an alias of the input)
+        return x.clone(), 0
     pos = torch.arange(T, device=x.device)
     # active positions first (in position order), then inactive ones as padding: distinct
     # positions, so the scatter below writes every position at most once
