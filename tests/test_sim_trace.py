@@ -86,9 +86,16 @@ def test_param_counts_match_the_model(block):
 
 
 def test_trace_from_a_real_run(tmp_path):
-    """Convert a real 2-rank run (skewed from step 2) and replay it through the CLI."""
+    """Convert a real 2-rank run (skewed from step 2) and replay it through the CLI.
+
+    Once `dynmo train --trace FILE` exists (log.trace), the run also writes a trace, which
+    must hold the same steps as the converted metrics."""
+    from dynmo.config import LogConfig
+
+    writes_trace = "trace" in LogConfig.__dataclass_fields__
     out = tmp_path / "run"
-    run_train(out, "--train.steps", "4", "--skew.blocks", "0", "--skew.factor", "3", "--skew.start_step", "2")
+    extra = ["--trace", str(tmp_path / "run.trace.jsonl")] if writes_trace else []
+    run_train(out, "--train.steps", "4", "--skew.blocks", "0", "--skew.factor", "3", "--skew.start_step", "2", *extra)
     recs = metrics(out)
     t = trace_from_metrics(out)
     assert t.header.source == "metrics" and t.header.case == "skew"
@@ -101,6 +108,10 @@ def test_trace_from_a_real_run(tmp_path):
         assert s.iteration_s == r["iteration_s"]
     assert np.all(t.costs() > 0)
     assert load_trace(out) == t  # a run folder is accepted wherever a trace is
+    if writes_trace:
+        w = load_trace(tmp_path / "run.trace.jsonl")
+        assert w.header.source == "train" and w.steps == t.steps
+        assert (w.header.params, w.header.kinds, w.header.pp, w.header.dp) == (t.header.params, t.header.kinds, 2, 1)
 
     from dynmo.cli import main as dynmo_main
 
