@@ -140,36 +140,65 @@ def validate(run_dir: Path, comm: float) -> dict:
 
 
 SKEW = ["--config", "configs/skewed.toml", "--skew.start_step", "3"]  # skew blocks 0-2 x4, all on stage 0
+AB_FIRST, AB_PERIOD, AB_STEPS = 4, 4, 28  # A/B run: layouts switch every 4 steps from step 4
+
+
+def _migration_s(rec: dict) -> float:
+    return sum(e.get("seconds", 0.0) for e in rec["events"] if e["type"] == "migration")
 
 
 def validate_policy(out: Path, steps: int, reuse: bool) -> dict:
-    """Replay the static skewed run's trace under the controller (when=auto, optimal) and compare
-    the predicted speedup with a real run of that policy on the same model."""
+    """The replayed controller against the real one, and the predicted gain of its layout
+    against the gain measured in one run that alternates the two layouts.
+
+    1. static run of configs/skewed.toml -> trace -> replay with the controller (optimal,
+       when=auto): the layout B it moves to and its predicted speedup;
+    2. a real balance.when=auto run: does the real controller make the same move?
+    3. an A/B run: forced re-layouts switch between the uniform layout A and B every
+       AB_PERIOD steps, so both layouts run under the same load (two separate runs made one
+       after the other on a shared machine do not). Measured: mean iteration time on A /
+       on B (the step after each switch, which rebuilds the schedule, left out). Predicted:
+       the same ratio simulated from each step's own per-layer costs."""
     from dynmo.sim.replay import ReplayOptions, replay
 
-    static, auto = out / "skewed-static", out / "skewed-auto"
+    static, auto, ab = out / "skewed-static", out / "skewed-auto", out / "skewed-ab"
     if not reuse:
         run("skewed-static", SKEW, steps, out)
         run("skewed-auto", SKEW + ["--balance.when", "auto"], steps, out)
-    real_static = [json.loads(x) for x in (static / "metrics.jsonl").read_text().splitlines()]
-    real_auto = [json.loads(x) for x in (auto / "metrics.jsonl").read_text().splitlines()]
-
-    def real_time(recs):  # step 0 left out: one-off set-up
-        return sum(r["iteration_s"] + sum(e.get("seconds", 0.0) for e in r["events"] if e["type"] == "migration")
-                   for r in recs[1:])
-
     trace = trace_from_metrics(static)
     uni, opt = replay(trace, None, None, ["uniform", "optimal"], ReplayOptions(when="auto"))
-    sim_uni = sum(uni.iteration_s[1:])
-    sim_opt = sum(t + o for t, o in zip(opt.iteration_s[1:], opt.overhead_s[1:]))
-    migr = [(r["step"], e["new"]) for r in real_auto for e in r["events"] if e["type"] == "migration"]
+    A, B = Layout(tuple(uni.layouts[0])), Layout(tuple(opt.layouts[-1]))
+    if not reuse:
+        switches = [f"{k}:{','.join(map(str, (B if n % 2 == 0 else A).boundaries))}"
+                    for n, k in enumerate(range(AB_FIRST, AB_STEPS, AB_PERIOD))]
+        run("skewed-ab", SKEW + ["--parallel.relayout", ";".join(switches)], AB_STEPS, out)
+    real_auto = [json.loads(x) for x in (auto / "metrics.jsonl").read_text().splitlines()]
+    ab_trace = trace_from_metrics(ab)
+    h = ab_trace.header
+    measured = {A.boundaries: [], B.boundaries: []}
+    sim_ratio = []
+    for k, st in enumerate(ab_trace.steps):
+        if k < AB_FIRST or (k - AB_FIRST) % AB_PERIOD == 0:
+            continue  # before the skew settles, and the rebuild step after each switch
+        measured[tuple(st.layout)].append(st.iteration_s)
+        f, b = np.asarray(st.fwd), np.asarray(st.bwd)
+        t = [predict_iteration_time(np.add.reduceat(f, lay.boundaries[:-1]).tolist(),
+                                    np.add.reduceat(b, lay.boundaries[:-1]).tolist(), h.schedule, h.microbatches)
+             for lay in (A, B)]
+        sim_ratio.append(t[0] / t[1])
+    sim_static = sum(uni.iteration_s[1:])
+    real_static = sum(s.iteration_s for s in trace.steps[1:])
     return {
-        "measured_speedup": real_time(real_static) / real_time(real_auto),
-        "predicted_speedup": sim_uni / sim_opt,
-        "real_migrations": migr,
+        "layout_A": list(A.boundaries), "layout_B": list(B.boundaries),
         "replayed_migrations": [(k, opt.layouts[k]) for k in range(1, len(opt.layouts))
                                 if opt.layouts[k] != opt.layouts[k - 1]],
-        "static_time_err": sim_uni / real_time(real_static) - 1,
+        "real_migrations": [(r["step"], e["new"]) for r in real_auto for e in r["events"] if e["type"] == "migration"],
+        "predicted_run_speedup": sim_static / sum(t + o for t, o in zip(opt.iteration_s[1:], opt.overhead_s[1:])),
+        "separate_runs_speedup": real_static / sum(r["iteration_s"] + _migration_s(r) for r in real_auto[1:]),
+        "static_time_err": sim_static / real_static - 1,
+        "ab_measured_speedup": float(np.mean(measured[A.boundaries]) / np.mean(measured[B.boundaries])),
+        "ab_predicted_speedup": float(np.mean(sim_ratio)),
+        "ab_steps": [len(measured[A.boundaries]), len(measured[B.boundaries])],
     }
 
 
@@ -204,13 +233,18 @@ def main() -> None:
     overall = {k: float(np.mean([r["variants"][k]["mean_abs_err"] for r in results.values()])) for k in keys}
     print(f"{'mean |err| over all':<31} " + " ".join(f"{overall[k] * 100:>21.1f}%" for k in keys))
     print("\nerr = (simulated - measured) / measured iteration time, per step (step 0 left out), then averaged")
-    print(f"\ntrace replay vs a real balanced run (configs/skewed.toml, skew from step 3, balance.when=auto):\n"
-          f"  measured speedup of auto over static: {policy['measured_speedup']:.3f}  "
-          f"(migrations at steps {[k for k, _ in policy['real_migrations']]}, to {[b for _, b in policy['real_migrations']]})\n"
-          f"  predicted by replaying the static run's trace (policy optimal, when=auto): {policy['predicted_speedup']:.3f}  "
-          f"(migrations before steps {[k for k, _ in policy['replayed_migrations']]}, "
-          f"to {[b for _, b in policy['replayed_migrations']]})\n"
-          f"  static run's total iteration time, simulated vs measured: {policy['static_time_err'] * 100:+.1f}%")
+    p = policy
+    print(f"\nreplayed controller vs the real one (configs/skewed.toml, skew from step 3, balance.when=auto):\n"
+          f"  replay (optimal, auto) of the static run's trace moves before steps "
+          f"{[k for k, _ in p['replayed_migrations']]} to {[b for _, b in p['replayed_migrations']]}; "
+          f"the real auto run moved before steps {[k for k, _ in p['real_migrations']]} to "
+          f"{[b for _, b in p['real_migrations']]}\n"
+          f"  static run's total iteration time, simulated vs measured: {p['static_time_err'] * 100:+.1f}%\n"
+          f"  speedup of layout {p['layout_B']} over {p['layout_A']} in one run alternating them every "
+          f"{AB_PERIOD} steps ({p['ab_steps'][0]} + {p['ab_steps'][1]} steps): measured {p['ab_measured_speedup']:.3f}, "
+          f"simulated from the same steps' costs {p['ab_predicted_speedup']:.3f}\n"
+          f"  (whole-run speedup predicted by the replay {p['predicted_run_speedup']:.3f}; two separate runs "
+          f"measured {p['separate_runs_speedup']:.3f}, but they ran under different load)")
     if args.json:
         Path(args.json).write_text(json.dumps({"comm_s": comm, "load_before_after": [before, after], "results": results, "policy": policy,
                                                "overall_mean_abs_err": overall}, indent=2))
