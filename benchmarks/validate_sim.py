@@ -12,6 +12,8 @@ step's measured costs and compares with the measured `iteration_s` (wall time in
   stage   `stage_compute_s / microbatches`: the stage's whole forward_one_chunk /
           backward_one_chunk time, i.e. the layers plus torch's per-chunk overhead
           (split into forward and backward in the layers' proportion).
+  +op     `stage` plus a fixed overhead per op, fitted (bisection) so that the 1F1B run's
+          mean error is zero, then applied unchanged to the other configurations.
 
 Transfers: the one-way time of one activation ([microbatch, seq, d_model] fp32) between the
 two ranks, measured here with gloo send/recv ping-pong (median of 30). Both transfer models
@@ -118,25 +120,48 @@ def stage_mb_times(step, layout: Layout, m: int, rec: dict | None, variant: str)
     return f, bw
 
 
-def validate(run_dir: Path, comm: float) -> dict:
+def _errors(run_dir: Path, variant: str, p2p: str, comm: float, overhead: float = 0.0) -> list[float]:
+    """(simulated - measured) / measured iteration time of every step but the first."""
     trace = trace_from_metrics(run_dir)
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     h = trace.header
     m, v = h.microbatches, h.virtual_stages
+    errs = []
+    for st, rec in list(zip(trace.steps, recs))[1:]:
+        f, bw = stage_mb_times(st, Layout(tuple(st.layout)), m, rec, variant)
+        sim = predict_iteration_time((f + overhead).tolist(), (bw + overhead).tolist(), h.schedule, m, comm=comm,
+                                     stages_per_rank=v if v > 1 else None, p2p=p2p)
+        errs.append((sim - st.iteration_s) / st.iteration_s)
+    return errs
+
+
+def fit_overhead(run_dir: Path, comm: float) -> float:
+    """Seconds per compute op that make the mean error of one run zero (bisection): the time a
+    rank spends in `schedule.step` outside its ops (posting and waiting on send/recv, Python)."""
+    lo, hi = 0.0, 0.05
+    if np.mean(_errors(run_dir, "stage", "rendezvous", comm)) >= 0:
+        return 0.0
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        if np.mean(_errors(run_dir, "stage", "rendezvous", comm, mid)) < 0:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def validate(run_dir: Path, comm: float, overhead: float) -> dict:
+    trace = trace_from_metrics(run_dir)
     rows = {}
-    for variant, p2p, c in (("layers", "eager", 0.0), ("stage", "eager", comm), ("stage", "rendezvous", comm)):
-        errs = []
-        for st, rec in list(zip(trace.steps, recs))[1:]:
-            f, bw = stage_mb_times(st, Layout(tuple(st.layout)), m, rec, variant)
-            sim = predict_iteration_time(f.tolist(), bw.tolist(), h.schedule, m, comm=c,
-                                         stages_per_rank=v if v > 1 else None, p2p=p2p)
-            errs.append((sim - st.iteration_s) / st.iteration_s)
-        key = f"{variant}{'+comm' if c else ''} {p2p}"
+    for variant, p2p, c, o in (("layers", "eager", 0.0, 0.0), ("stage", "eager", comm, 0.0),
+                               ("stage", "rendezvous", comm, 0.0), ("stage", "rendezvous", comm, overhead)):
+        errs = _errors(run_dir, variant, p2p, c, o)
+        key = f"{variant}{'+comm' if c else ''}{'+op' if o else ''} {p2p}"
         rows[key] = {"mean_err": float(np.mean(errs)), "mean_abs_err": float(np.mean(np.abs(errs))),
                      "max_abs_err": float(np.max(np.abs(errs)))}
     measured = float(np.mean([s.iteration_s for s in trace.steps[1:]]))
-    return {"schedule": h.schedule, "virtual_stages": v, "steps": len(trace.steps) - 1,
-            "mean_iteration_s": measured, "variants": rows}
+    return {"schedule": trace.header.schedule, "virtual_stages": trace.header.virtual_stages,
+            "steps": len(trace.steps) - 1, "mean_iteration_s": measured, "variants": rows}
 
 
 SKEW = ["--config", "configs/skewed.toml", "--skew.start_step", "3"]  # skew blocks 0-2 x4, all on stage 0
@@ -215,10 +240,11 @@ def main() -> None:
     # activation of one microbatch: global_batch 16 / 4 microbatches = 4 sequences x 128 x 256 fp32
     comm = measure_comm((4, 128, 256))
     print(f"gloo one-way transfer of a 4x128x256 fp32 activation (512 KiB): {comm * 1e3:.2f} ms (median of 30)")
-    results = {}
-    for name, extra in CONFIGS:
-        run_dir = out / name if args.reuse else run(name, extra, args.steps, out)
-        results[name] = validate(run_dir, comm)
+    dirs = {name: out / name if args.reuse else run(name, extra, args.steps, out) for name, extra in CONFIGS}
+    # per-op overhead fitted on the 1F1B run only, then applied to the other configurations
+    overhead = fit_overhead(dirs["1f1b"], comm)
+    print(f"per-op overhead fitted on the 1f1b run: {overhead * 1e3:.2f} ms per forward or backward op")
+    results = {name: validate(d, comm, overhead) for name, d in dirs.items()}
     policy = validate_policy(out, max(args.steps, 16), args.reuse)
     after = load()
     print(f"load average after:  {after}")
@@ -232,7 +258,8 @@ def main() -> None:
         print(f"{name:<20} {r['mean_iteration_s']:>10.3f} " + " ".join(f"{c:>22}" for c in cells))
     overall = {k: float(np.mean([r["variants"][k]["mean_abs_err"] for r in results.values()])) for k in keys}
     print(f"{'mean |err| over all':<31} " + " ".join(f"{overall[k] * 100:>21.1f}%" for k in keys))
-    print("\nerr = (simulated - measured) / measured iteration time, per step (step 0 left out), then averaged")
+    print("\nerr = (simulated - measured) / measured iteration time, per step (step 0 left out), then averaged; "
+          "+op: with the per-op overhead fitted on 1f1b (so 1f1b's mean err is 0 by construction)")
     p = policy
     print(f"\nreplayed controller vs the real one (configs/skewed.toml, skew from step 3, balance.when=auto):\n"
           f"  replay (optimal, auto) of the static run's trace moves before steps "
@@ -246,7 +273,7 @@ def main() -> None:
           f"  (whole-run speedup predicted by the replay {p['predicted_run_speedup']:.3f}; two separate runs "
           f"measured {p['separate_runs_speedup']:.3f}, but they ran under different load)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"comm_s": comm, "load_before_after": [before, after], "results": results, "policy": policy,
+        Path(args.json).write_text(json.dumps({"comm_s": comm, "op_overhead_s": overhead, "load_before_after": [before, after], "results": results, "policy": policy,
                                                "overall_mean_abs_err": overall}, indent=2))
 
 

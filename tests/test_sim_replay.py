@@ -188,3 +188,14 @@ def test_steps_with_other_microbatch_counts_are_rescaled():
     t = make_trace(np.ones((2, 6)), microbatches=4)
     t.steps[1].microbatches = 2
     assert np.allclose(t.costs()[1], 0.5 * t.costs()[0])
+
+
+def test_op_overhead_adds_to_every_op():
+    """A per-op overhead o is the same as o more forward and backward time per stage and microbatch."""
+    costs = np.ones((2, 6)) * 0.01
+    t = make_trace(costs)
+    (a,) = replay(t, 3, 1, ["uniform"], ReplayOptions(op_overhead=0.002))
+    lay = Layout.uniform(6, 3)
+    direct = simulate(stage_times(costs[0] / 3, lay) + 0.002, stage_times(2 * costs[0] / 3, lay) + 0.002, "1f1b", 4)
+    assert a.iteration_s[0] == pytest.approx(direct.iteration_time, rel=1e-12)
+    assert a.bottleneck_s[0] == pytest.approx(0.02)  # stage loads stay the layers' costs

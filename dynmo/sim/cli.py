@@ -74,6 +74,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--mig-fixed", type=float, default=0.01, help="fixed seconds per migration (default 0.01)")
     r.add_argument("--no-decide-time", action="store_true", help="do not charge the controller's decide time")
     r.add_argument("--comm", type=float, default=0.0, help="seconds per stage-to-stage transfer (default 0)")
+    r.add_argument("--op-overhead", type=float, default=0.0,
+                   help="seconds per forward/backward op spent outside it (1.4e-3 fitted on this machine's gloo runs)")
     r.add_argument("--allreduce-bandwidth", type=float, help="bytes/s of the dp gradient ring all-reduce "
                    "(default: not modelled)")
     r.add_argument("--allreduce-latency", type=float, default=0.0, help="seconds per all-reduce")
@@ -157,6 +159,7 @@ def _replay_main(args: argparse.Namespace) -> int:
         repack_tolerance=args.repack_tolerance, retune_microbatches=args.retune_microbatches,
         migration_bandwidth=args.mig_bandwidth,
         migration_fixed_s=args.mig_fixed, charge_decide=not args.no_decide_time, comm=args.comm,
+        op_overhead=args.op_overhead,
         p2p=args.p2p or "eager", allreduce_bandwidth=args.allreduce_bandwidth,
         allreduce_latency=args.allreduce_latency,
     )
@@ -209,6 +212,8 @@ def _missing(trace, opts, shape) -> list[str]:
         out.append("data-parallel gradient all-reduce (give --allreduce-bandwidth bytes/s)")
     if opts.comm == 0:
         out.append("stage-to-stage transfer time (give --comm seconds)")
+    if opts.op_overhead == 0:
+        out.append("per-op runtime overhead outside the measured compute (give --op-overhead seconds)")
     if "ZeroBubble" in shape["schedule"] and any(s.wgrad is None for s in trace.steps):
         out.append("measured weight-gradient split: the zero-bubble schedules take wgrad = bwd / 2")
     if not opts.retune_microbatches:

@@ -65,6 +65,8 @@ class ReplayOptions:
     charge_decide: bool = True  # add the measured time of the controller's decisions
     # communication
     comm: float = 0.0  # seconds per activation / gradient transfer between stages
+    op_overhead: float = 0.0  # seconds a rank spends per forward / backward op outside it (send/recv posting,
+    #                          Python); benchmarks/validate_sim.py fits 1.4 ms on this machine's gloo runs
     p2p: str = "eager"
     allreduce_bandwidth: float | None = None  # bytes/s of the dp ring all-reduce; None: not modelled
     allreduce_latency: float = 0.0
@@ -74,6 +76,8 @@ class ReplayOptions:
             raise SimInputError(f"when must be one of every, dynamism, auto for the dynamic policies, got {self.when!r}")
         if self.initial not in STATIC:
             raise SimInputError(f"initial must be uniform or params, got {self.initial!r}")
+        if not self.op_overhead >= 0 or not self.comm >= 0:
+            raise SimInputError("comm and op_overhead are seconds >= 0")
         if not self.migration_bandwidth > 0:
             raise SimInputError("migration bandwidth must be > 0 bytes/s (use inf for free migrations)")
         if self.microbatches is not None and self.microbatches < 1:
@@ -220,7 +224,8 @@ class _Runner:
         if self.opts.allreduce_bandwidth and self.dp > 1:
             grad_bytes = np.add.reduceat(self.params, b) * GRAD_BYTES_PER_PARAM
             ar = ring_allreduce_time(grad_bytes, self.dp, self.opts.allreduce_bandwidth, self.opts.allreduce_latency)
-        times = StageTimes.build(f, bw, m, wgrad=w, comm=self.opts.comm * scale, allreduce=ar)
+        o = self.opts.op_overhead
+        times = StageTimes.build(f + o, bw + o, m, wgrad=w, comm=self.opts.comm * scale, allreduce=ar)
         plan = self.plan(layout.num_stages, m)
         sim = simulate_plan(plan, times, dp=self.dp, p2p=self.opts.p2p, split_bubble=False)
         loads = ((f + bw) / scale).tolist()  # per traced-size microbatch, comparable across policies
