@@ -199,3 +199,17 @@ def test_op_overhead_adds_to_every_op():
     direct = simulate(stage_times(costs[0] / 3, lay) + 0.002, stage_times(2 * costs[0] / 3, lay) + 0.002, "1f1b", 4)
     assert a.iteration_s[0] == pytest.approx(direct.iteration_time, rel=1e-12)
     assert a.bottleneck_s[0] == pytest.approx(0.02)  # stage loads stay the layers' costs
+
+
+def test_the_controller_sees_the_recorded_cost():
+    """One slowed microbatch inflates the mean (fwd + bwd) but not the median `cost` the runtime
+    balances on: the replayed controller, like the runtime's, does not move layers for it."""
+    costs = np.ones((8, 8)) * 0.01
+    costs[3:, 1] *= 5  # the means say layer 1 is slow from step 3 on
+    t = make_trace(costs)
+    (moved,) = replay(t, 2, 1, ["optimal"], ReplayOptions(**FREE))
+    assert moved.migrations >= 1
+    for s in t.steps:
+        s.cost = [0.01] * 8  # ... the typical microbatch says nothing changed
+    (kept,) = replay(t, 2, 1, ["optimal"], ReplayOptions(**FREE))
+    assert kept.migrations == 0 and kept.layouts[-1] == [0, 4, 8]

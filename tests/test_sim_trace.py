@@ -33,6 +33,8 @@ def _record(step: int, n: int, rng) -> dict:
         "bubble_ratio": 0.1, "imbalance": 0.0, "grad_norm": 1.0, "lr": 1e-3,
         "events": [{"type": "dynamism", "case": "moe"}] if step == 1 else [],
         "moe_tokens_per_expert": [None] + [[1.0, 2.0, 3.0, 2.0]] * (n - 2) + [None],
+        "layer_cost_s": rng.uniform(0.003, 0.03, n).tolist(), "microbatches": 4,
+        "layer_state_bytes": [16.0 * 1000] * n, "profile_s": 0.001,
     }
 
 
@@ -53,6 +55,9 @@ def test_writer_round_trip(tmp_path):
     assert np.array_equal(t.fwd(), [r["layer_fwd_s"] for r in recs])
     assert np.array_equal(t.costs(), np.add([r["layer_fwd_s"] for r in recs], [r["layer_bwd_s"] for r in recs]))
     assert t.steps[0].stats["moe_tokens_per_expert"][1] == [1.0, 2.0, 3.0, 2.0]
+    assert list(t.steps[0].stats) == ["moe_tokens_per_expert"]  # runtime fields are not case stats
+    assert np.array_equal(t.controller_costs(), [r["layer_cost_s"] for r in recs])
+    assert t.steps[2].microbatches == 4 and t.steps[2].state_bytes == recs[2]["layer_state_bytes"]
     assert "loss" not in json.loads((tmp_path / "t.jsonl").read_text().splitlines()[1])
     t.write(tmp_path / "u.jsonl")
     assert load_trace(tmp_path / "u.jsonl") == t
@@ -132,7 +137,8 @@ def _random_trace(rng, blocks: int, steps: int, wgrad: bool = False) -> Trace:
         f = rng.uniform(0.0, 1.0, n).tolist()
         b = rng.uniform(0.0, 2.0, n).tolist()
         out.append(TraceStep(k, f, b, layout=[0, n // 2, n], wgrad=[x / 3 for x in b] if wgrad else None,
-                             events=[{"type": "dynamism"}] if k % 3 == 1 else []))
+                             events=[{"type": "dynamism"}] if k % 3 == 1 else [],
+                             cost=[0.9 * (x + y) for x, y in zip(f, b)]))
     return Trace(header, out)
 
 
@@ -145,7 +151,7 @@ def test_scale_trace_invariants(blocks, new_blocks, noise, wgrad, seed):
     assert s.num_layers == new_blocks + 2 and s.header.kinds == ["E"] + ["t"] * new_blocks + ["L"]
     assert len(s.header.params) == len(s.header.layer_bytes) == new_blocks + 2
     assert s.dynamism_steps() == t.dynamism_steps() and len(s.steps) == len(t.steps)
-    for a, b in ((t.fwd(), s.fwd()), (t.bwd(), s.bwd())):
+    for a, b in ((t.fwd(), s.fwd()), (t.bwd(), s.bwd()), (t.controller_costs(), s.controller_costs())):
         # the mean block cost per step is preserved (x cost_scale); E and L keep theirs
         np.testing.assert_allclose(b[:, 1:-1].sum(1), 2.0 * a[:, 1:-1].sum(1) * new_blocks / blocks, rtol=1e-9)
         np.testing.assert_allclose(b[:, [0, -1]], 2.0 * a[:, [0, -1]])

@@ -196,6 +196,7 @@ class _Runner:
         self.m = int(opts.microbatches or h.microbatches)
         self.fwd, self.bwd, self.wgrad = trace.fwd(), trace.bwd(), trace.wgrad()
         self.costs = self.fwd + self.bwd
+        self.observed = trace.controller_costs()  # what the runtime's controller sees
         # sequences per replica per step, for re-tuning: M microbatches of the traced size
         seq = int(h.config.get("model", {}).get("seq_len") or 0)
         per_mb = h.tokens_per_microbatch // seq if h.tokens_per_microbatch and seq else 1
@@ -362,7 +363,7 @@ def _run_dynamic(trace: Trace, runner: _Runner, stages: int, balancer: str, do_r
         runner.step(k, layout, res, m)
         if st.dynamism:
             ctl.dynamism()
-        ctl.observe(runner.costs[k].tolist())
+        ctl.observe(runner.observed[k].tolist())
 
 
 def summary_table(results: Sequence[PolicyResult]) -> str:

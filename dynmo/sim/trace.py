@@ -124,6 +124,7 @@ class TraceStep:
     stats: dict[str, list] = field(default_factory=dict)  # per-layer case stats (moe_tokens_per_expert, ...)
     microbatches: int | None = None  # when the run changed it (re-tuning after a re-pack); else the header's
     state_bytes: list[float] | None = None  # measured per-layer params + grads + optimizer state, when recorded
+    cost: list[float] | None = None  # the controller's per-layer cost (layer_cost_s: median microbatch), when recorded
 
     @property
     def dynamism(self) -> bool:
@@ -140,6 +141,8 @@ class TraceStep:
             d["microbatches"] = self.microbatches
         if self.state_bytes is not None:
             d["state_bytes"] = self.state_bytes
+        if self.cost is not None:
+            d["cost"] = self.cost
         return d
 
     @classmethod
@@ -163,6 +166,7 @@ class TraceStep:
             stats=stats,
             microbatches=int(rec["microbatches"]) if rec.get("microbatches") else None,
             state_bytes=[float(x) for x in rec["layer_state_bytes"]] if rec.get("layer_state_bytes") else None,
+            cost=[float(x) for x in rec["layer_cost_s"]] if rec.get("layer_cost_s") else None,
         )
 
 
@@ -170,7 +174,7 @@ _RECORD_KEYS = {
     "step", "loss", "tokens_per_s", "step_s", "iteration_s", "layout", "layout_str", "stage_compute_s",
     "stage_idle_s", "worker_compute_s", "worker_idle_s", "bubble_ratio", "imbalance", "layer_fwd_s",
     "layer_bwd_s", "layer_wgrad_s", "grad_norm", "lr", "events", "val_loss", "microbatches", "workers",
-    "layer_act_bytes", "layer_state_bytes", "stage_memory_bytes", "profile_s", "worker_peak_memory_bytes",
+    "layer_act_bytes", "layer_state_bytes", "layer_cost_s", "stage_memory_bytes", "profile_s", "worker_peak_memory_bytes",
 }
 
 
@@ -203,6 +207,13 @@ class Trace:
         """Like fwd(), or None unless every step measured the weight-gradient part."""
         return self._per_mb("wgrad") if all(s.wgrad is not None for s in self.steps) else None
 
+    def controller_costs(self) -> np.ndarray:
+        """What the runtime's controller observed per step: `cost` (the median microbatch's
+        forward + backward) where recorded, else the mean (`fwd + bwd`)."""
+        if all(s.cost is not None for s in self.steps):
+            return self._per_mb("cost")
+        return self.costs()
+
     def costs(self) -> np.ndarray:
         """c_i(k): forward + backward seconds per microbatch of layer i at step k."""
         return self.fwd() + self.bwd()
@@ -217,7 +228,7 @@ class Trace:
 
 
 def _check_step(s: TraceStep, n: int, where: str) -> TraceStep:
-    for name in ("fwd", "bwd", "wgrad", "state_bytes"):
+    for name in ("fwd", "bwd", "wgrad", "state_bytes", "cost"):
         v = getattr(s, name)
         if v is None:
             continue
@@ -419,11 +430,12 @@ def scale_trace(trace: Trace, blocks: int, *, cost_scale: float = 1.0, params_sc
     for s in trace.steps:
         f, bw = np.asarray(s.fwd, dtype=float), np.asarray(s.bwd, dtype=float)
         w = None if s.wgrad is None else np.asarray(s.wgrad, dtype=float)
+        cst = None if s.cost is None else np.asarray(s.cost, dtype=float)
         factor = np.ones(blocks)
         if noise > 0:
             factor = rng.lognormal(-0.5 * noise * noise, noise, size=blocks)
         new = []
-        for a in (f, bw, w):
+        for a in (f, bw, w, cst):
             if a is None:
                 new.append(None)
                 continue
@@ -442,7 +454,7 @@ def scale_trace(trace: Trace, blocks: int, *, cost_scale: float = 1.0, params_sc
             stats[k] = [v[0]] + [v[i] for i in src] + [v[-1]]
         steps.append(replace(s, fwd=new[0].tolist(), bwd=new[1].tolist(),
                              wgrad=None if new[2] is None else new[2].tolist(), layout=None, stats=stats,
-                             state_bytes=sb))
+                             state_bytes=sb, cost=None if new[3] is None else new[3].tolist()))
     params = [h.params[0]] + [int(round(h.params[i] * params_scale)) for i in src] + [h.params[-1]]
     lbytes = [h.layer_bytes[0]] + [int(round(h.layer_bytes[i] * params_scale)) for i in src] + [h.layer_bytes[-1]]
     config = dict(h.config)
