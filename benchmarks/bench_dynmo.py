@@ -19,27 +19,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from dynmo import bench
 from dynmo.balance import Problem, balance
 from dynmo.layout import Layout
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
 def train(out: Path, config: str, steps: int, *extra: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "dynmo.cli", "train", "--nproc", "2", "--config", config, "--steps", str(steps),
-           "--out", str(out), "--log.tensorboard", "false", "--log.progress", "false", *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if p.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stderr[-3000:]}")
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return bench.train(out, config, "--steps", str(steps), *extra)
 
 
 def med(xs) -> float:
@@ -51,7 +41,7 @@ def summarize(recs: list[dict], skew_start: int, settle: int) -> dict:
     steady = [r for r in recs if r["step"] >= skew_start + settle]
     migrations = [e for r in recs for e in r["events"] if e["type"] == "migration"]
     train_s = sum(r["step_s"] for r in recs)
-    overhead = sum(r["profile_s"] for r in recs) + sum(e.get("decide_s", 0.0) + e["seconds"] for e in migrations)
+    overhead = bench.overhead_s(recs)
     return {
         "tokens_per_s": med(r["tokens_per_s"] for r in steady),
         "bubble_before": med(r["bubble_ratio"] for r in before) if before else float("nan"),

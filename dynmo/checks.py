@@ -169,6 +169,19 @@ def validate(cfg: Config, world: int) -> None:
         bad = [c for c in [o.capacity, *o.capacities] if not 0.0 < c <= 1.0]
         if bad:
             raise ConfigError(f"model.mod capacities {bad} must be in (0, 1] (a fraction of each sequence)")
+    # the cases check their own options (imported only when enabled: they need torch)
+    if cfg.prune.enabled:
+        from dynmo.dynamics.prune import check_options as check_prune
+
+        check_prune(cfg.prune)
+    if cfg.freeze.enabled:
+        from dynmo.dynamics.freeze import check_options as check_freeze
+
+        check_freeze(cfg.freeze, m.n_layers)
+    if cfg.early_exit.enabled:
+        from dynmo.dynamics.earlyexit import check_options as check_exit
+
+        check_exit(cfg.early_exit, cfg)
     bad = [b for b in cfg.skew.blocks if not 0 <= b < m.n_layers]
     if bad:
         raise ConfigError(f"skew.blocks {bad} outside 0..{m.n_layers - 1} (block numbers are 0-based)")

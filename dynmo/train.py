@@ -6,12 +6,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -73,6 +72,7 @@ class Trainer:
         )
         self.param_counts = layer_param_counts(cfg.model)
         self.profile_s = 0.0  # profiler bookkeeping since the last decision
+        self.layer_bytes: list[int] = []
         if b.when != "never":
             self._measure_workers()
         # dynamic-model cases (dynmo.dynamics.case): same list, same order on every rank
@@ -152,7 +152,8 @@ class Trainer:
         t0 = time.perf_counter()
         decision = None
         if self.ctx.is_logger:
-            layer_bytes = [12 * c for c in self.param_counts]  # fp32 weights + AdamW moments
+            # measured state bytes (weights, grads, AdamW moments; frozen blocks carry fewer)
+            layer_bytes = self.layer_bytes or [16 * c for c in self.param_counts]
             decision = ctl.decide(step, self.pipe.layout, layer_bytes, self.cfg.train.steps - step)
         obj = [None if decision is None else (list(decision.layout.boundaries), decision)]
         dist.broadcast_object_list(obj, src=0, group=self.ctx.active_group)
@@ -180,8 +181,11 @@ class Trainer:
     def _observe(self, rec: dict) -> None:
         ctl = self.controller
         self.profile_s += rec["profile_s"]
+        self.layer_bytes = [int(x) for x in rec["layer_state_bytes"]]  # what a migration ships, measured
         if self.cfg.balance.cost == "params":
-            costs = [float(c) for c in self.param_counts]
+            # parameter counts, scaled by each layer's density where pruning reports one
+            density = rec.get("prune_density") or [None] * len(self.param_counts)
+            costs = [c * (1.0 if d is None else d) for c, d in zip(self.param_counts, density)]
         else:
             costs = list(rec["layer_cost_s"])  # typical microbatch: robust to one slowed microbatch
             if ctl.speeds and self.cfg.parallel.virtual_stages == 1:
