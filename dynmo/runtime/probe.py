@@ -4,9 +4,10 @@ worker speed, plus the activation transfer to the next stage).
 speeds     every rank times the same fixed matmul workload; speed = reference time / own time,
            the reference being pipeline position 0 (averaged over data-parallel replicas).
            A probe, not a model: a worker slowed later (thermal, a noisy neighbour) is not seen.
-transfer   each pipeline link j -> j+1 ping-pongs one microbatch's boundary activations
-           (hidden state + token mask); a microbatch crosses the link twice per step (the
-           activation forward, its gradient backward), so t_j = 2 x one-way time.
+transfer   each pipeline link j -> j+1 measures its bandwidth with a large ping-pong; a
+           microbatch's boundary bytes cross the link twice per step (the activation
+           forward, its gradient backward), so t_j = 2 x bytes / bandwidth. Latency is left
+           out: the schedules send asynchronously, so it overlaps compute.
 """
 
 from __future__ import annotations
@@ -46,12 +47,18 @@ def measure_speeds(ctx: DistContext) -> list[float]:
     return [per_pos[0] / t for t in per_pos]
 
 
-def measure_links(ctx: DistContext, microbatch: int, seq_len: int, d_model: int, rounds: int = 6) -> list[float]:
-    """Seconds per microbatch on each link j -> j+1 of this replica's pipeline (both directions),
-    averaged over replicas; the same list on every rank."""
+def measure_links(ctx: DistContext, microbatch: int, seq_len: int, d_model: int, rounds: int = 5,
+                  probe_bytes: int = 8 << 20) -> list[float]:
+    """Seconds per microbatch on each link j -> j+1 of this replica's pipeline, averaged over
+    replicas; the same list on every rank.
+
+    Bandwidth, not latency: schedules send activations asynchronously, so a message's latency
+    overlaps compute, while the bytes occupy the link. Each link ping-pongs a buffer of at
+    least `probe_bytes` (to amortise latency) and the cost of a microbatch is its boundary
+    bytes (hidden state + token mask) forward plus the gradient back, at that bandwidth."""
     pp, me = ctx.pp, ctx.pp_rank
-    hidden = torch.zeros(microbatch, seq_len, d_model, device=ctx.device)
-    mask = torch.ones(microbatch, seq_len, dtype=torch.bool, device=ctx.device)
+    act_bytes = microbatch * seq_len * (4 * d_model + 1)
+    buf = torch.zeros(max(probe_bytes, act_bytes) // 4, device=ctx.device)
     links = torch.zeros(max(pp - 1, 1), dtype=torch.float64)
     for j in range(pp - 1):  # every rank walks the links in order; only the two ends act
         if me not in (j, j + 1):
@@ -60,16 +67,16 @@ def measure_links(ctx: DistContext, microbatch: int, seq_len: int, d_model: int,
         times = []
         for _ in range(rounds):
             t = time.perf_counter()
-            for tensor in (hidden, mask):
-                if me == j:
-                    dist.send(tensor, group=ctx.pp_group, group_dst=peer)
-                    dist.recv(tensor, group=ctx.pp_group, group_src=peer)
-                else:
-                    dist.recv(tensor, group=ctx.pp_group, group_src=peer)
-                    dist.send(tensor, group=ctx.pp_group, group_dst=peer)
+            if me == j:
+                dist.send(buf, group=ctx.pp_group, group_dst=peer)
+                dist.recv(buf, group=ctx.pp_group, group_src=peer)
+            else:
+                dist.recv(buf, group=ctx.pp_group, group_src=peer)
+                dist.send(buf, group=ctx.pp_group, group_dst=peer)
             times.append(time.perf_counter() - t)
         if me == j:
-            links[j] = statistics.median(times[1:])  # a round trip = one forward + one backward crossing
+            bandwidth = 2 * buf.numel() * 4 / statistics.median(times[1:])  # bytes/s, first round warms up
+            links[j] = 2 * act_bytes / bandwidth
     parts = [torch.zeros_like(links) for _ in range(ctx.active_world)]
     dist.all_gather(parts, links, group=ctx.active_group)
     if pp < 2:
