@@ -129,9 +129,9 @@ def sim_rows(case: Case, out: Path) -> list[dict]:
     from dynmo.sim.replay import ReplayOptions, replay
 
     trace = scale_trace(load_trace(out / "traces" / f"{case.name}-static.jsonl"), case.blocks, noise=0.05)
-    # 2 microbatches per stage, as large runs use to keep the fill/drain bubble small; the
-    # controller trigger of the real run; a trace's dynamism events drive `dynamism`
-    opts = ReplayOptions(microbatches=2 * case.stages, when=case.when)
+    # 4 microbatches per stage (as benchmarks/bench_sim.py), as large runs use to keep the
+    # fill/drain bubble small; the real run's trigger (a trace's dynamism events drive `dynamism`)
+    opts = ReplayOptions(microbatches=4 * case.stages, when=case.when)
     results = replay(trace, stages=case.stages, dp=case.dp, policies=SIM_POLICIES, options=opts)
     write_plots(results, out / "plots" / case.name, title=f"{case.name}: {case.blocks} blocks, {case.stages} stages x {case.dp} dp")
     return [{"case": case.name, "shape": f"{case.blocks + 2} layers, {case.stages}x{case.dp}", **r.as_dict(per_step=False)}
@@ -160,7 +160,7 @@ def render(real: list[dict], sim: list[dict], missing: list[str], argv: list[str
     if sim:
         lines += [
             "## Simulated at paper scale (static traces above, scaled; `dynmo.sim.replay`)\n",
-            "Microbatches per replica = 2 x stages; migrations charged at the controller's cost model.\n",
+            "Microbatches per replica = 4 x stages; migrations charged at the controller's cost model.\n",
             "| case | shape | policy | speedup vs uniform | mean bubble | workers (final) | migrations |",
             "|---|---|---|---:|---:|---:|---:|",
         ]

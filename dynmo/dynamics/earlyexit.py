@@ -45,7 +45,6 @@ import torch.nn.functional as F
 from dynmo.config import ConfigError, EarlyExitConfig
 from dynmo.dynamics import StepStats, attach_aux_loss
 from dynmo.dynamics.case import Case, register_case
-from dynmo.runtime import optim
 
 
 def check_options(e: EarlyExitConfig, cfg) -> None:
@@ -163,14 +162,11 @@ class EarlyExit(Case):
         self.opts: EarlyExitConfig = trainer.cfg.early_exit
         check_options(self.opts, trainer.cfg)
         pipe = trainer.pipe
-        states = {i: optim.layer_state(pipe.optimizer, layer) for i, layer in pipe.layers.items()}
+        states = pipe.optimizer_states()
         for i, layer in self._blocks().items():
             self._install(i, layer, new_head=True)
         # the optimizer was built before the exit classifiers existed
-        names = {pipe.specs[i].name: pipe.layers[i] for i in sorted(pipe.layers)}
-        pipe.optimizer = optim.build_optimizer(names, trainer.cfg.train, trainer.ctx.device)
-        for i, layer in pipe.layers.items():
-            optim.load_layer_state(pipe.optimizer, layer, states.get(i, {}))
+        pipe.rebuild_optimizer(states)
 
     def _blocks(self) -> dict[int, nn.Module]:
         pipe = self.trainer.pipe

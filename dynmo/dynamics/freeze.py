@@ -49,7 +49,6 @@ from torch.func import functional_call
 
 from dynmo.config import ConfigError, FreezeConfig
 from dynmo.dynamics.case import Case, register_case
-from dynmo.runtime import optim
 
 
 def check_options(f: FreezeConfig, n_blocks: int) -> None:
@@ -189,16 +188,13 @@ class Freeze(Case):
         if not newly:
             return []
         pipe = self.trainer.pipe
-        states = {i: optim.layer_state(pipe.optimizer, layer) for i, layer in pipe.layers.items()}
+        states = pipe.optimizer_states()
         for i in newly:
             if i in pipe.layers:
                 freeze_layer(pipe.layers[i])
                 states.pop(i, None)
                 self.refs.pop(i, None)
-        names = {pipe.specs[i].name: pipe.layers[i] for i in sorted(pipe.layers)}
-        pipe.optimizer = optim.build_optimizer(names, self.trainer.cfg.train, ctx.device)
-        for i, layer in pipe.layers.items():
-            optim.load_layer_state(pipe.optimizer, layer, states.get(i, {}))
+        pipe.rebuild_optimizer(states)
         return [{
             "type": "dynamism",
             "step": step,

@@ -64,7 +64,6 @@ import torch.nn.functional as F
 
 from dynmo.config import ConfigError, PruneConfig
 from dynmo.dynamics.case import Case, register_case
-from dynmo.runtime import optim
 
 PRUNABLE = ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")  # Linear modules of a block
 KERNELS = ("dense", "csr")
@@ -396,7 +395,7 @@ class Prune(Case):
         scores = [unit_scores(b.mlp) for b in blocks.values()]
         masks = global_keep(scores, keep, self.trainer.ctx.pp_group)
         pipe = self.trainer.pipe
-        states = {i: optim.layer_state(pipe.optimizer, layer) for i, layer in pipe.layers.items()}
+        states = pipe.optimizer_states()
         for (i, block), mask in zip(blocks.items(), masks):
             if not mask.any():  # every block keeps its strongest unit
                 mask = mask.clone()
@@ -411,10 +410,7 @@ class Prune(Case):
                         st[pname][k] = st[pname][k].index_select(dim, idx).clone()
             shrink_mlp(block.mlp, idx)
         # the optimizer holds the old Parameters: rebuild it over the new ones, moments carried
-        names = {pipe.specs[i].name: pipe.layers[i] for i in sorted(pipe.layers)}
-        pipe.optimizer = optim.build_optimizer(names, self.trainer.cfg.train, self.trainer.ctx.device)
-        for i, layer in pipe.layers.items():
-            optim.load_layer_state(pipe.optimizer, layer, states.get(i, {}))
+        pipe.rebuild_optimizer(states)
         return {"type": "dynamism", "step": step, "sparsity": s, "structured": True, "kept_units": keep, "total_units": total}
 
     def after_step(self, step: int, result: Any) -> list[dict]:

@@ -252,7 +252,7 @@ class Pipeline:
         if new == old and microbatches in (None, self.microbatches):
             return report
         t0 = time.perf_counter()
-        states = {i: optim.layer_state(self.optimizer, self.layers[i]) for i in self.layers}
+        states = self.optimizer_states()
         src_rank = self.layer_ranks(old)
         me, group, dev = self.ctx.pp_rank, self.ctx.pp_group, self.ctx.device
         # Every rank walks the same global order, so each blocking send meets its receive.
@@ -285,12 +285,21 @@ class Pipeline:
             self.placement = stage_to_rank(self.num_stages, ctx.pp, self.kind.style)
         if microbatches is not None:
             self.set_microbatches(microbatches)
-        self.optimizer = optim.build_optimizer(self._named_layers(), self.cfg.train, dev)
-        for i, layer in self.layers.items():
-            optim.load_layer_state(self.optimizer, layer, states.get(i, {}))
+        self.rebuild_optimizer(states)
         self._build_schedule()
         report.seconds = time.perf_counter() - t0
         return report
+
+    def optimizer_states(self) -> dict[int, dict]:
+        """{local layer index: its AdamW state by parameter name}, to carry across a rebuild."""
+        return {i: optim.layer_state(self.optimizer, layer) for i, layer in self.layers.items()}
+
+    def rebuild_optimizer(self, states: dict[int, dict]) -> None:
+        """A new optimizer over the local layers as they are now (layers arrived or left,
+        parameters replaced or frozen), carrying `states` (from `optimizer_states`)."""
+        self.optimizer = optim.build_optimizer(self._named_layers(), self.cfg.train, self.ctx.device)
+        for i, layer in self.layers.items():
+            optim.load_layer_state(self.optimizer, layer, states.get(i, {}))
 
     def set_microbatches(self, m: int) -> None:
         local = self.cfg.train.global_batch // self.ctx.dp
