@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from dynmo.config import ConfigError, load_config, to_toml
@@ -46,3 +48,10 @@ def test_nested_sections(tmp_path):
         load_config(None, ["--model.moe", "3"])
     with pytest.raises(ConfigError, match="unknown field model.moe.experts"):
         load_config(None, ["--model.moe.experts", "3"])
+
+
+@pytest.mark.parametrize("path", sorted(str(p) for p in (Path(__file__).resolve().parents[1] / "configs").glob("*.toml")))
+def test_every_shipped_config_is_valid_on_two_ranks(path):
+    from dynmo import checks
+
+    checks.validate(load_config(path), 2)
