@@ -37,6 +37,19 @@ def test_forced_repack_three_ranks_to_two(tmp_path, reference):
         assert torch.equal(got[k], ref_weights[k]), k
 
 
+def test_checkpoint_after_a_repack_resumes_on_fewer_ranks(tmp_path, reference):
+    # Train on 3 ranks, re-pack onto 2 at step 2, checkpoint at step 4; then restart the job on
+    # 2 ranks from that checkpoint (what a user does to give the released machine back for good).
+    a, b = tmp_path / "a", tmp_path / "b"
+    run_train(a, "--steps", str(STEPS), "--parallel.relayout", "2:0,3,6", "--checkpoint.every", "4", nproc=3)
+    run_train(b, "--steps", str(STEPS), "--checkpoint.resume", str(a / "checkpoint-4"), "--parallel.layout", "0,3,6")
+    ref_losses, _ = reference
+    assert [r["loss"] for r in metrics(a)] == ref_losses
+    resumed = metrics(b)
+    assert [r["step"] for r in resumed] == list(range(4, STEPS))
+    assert [r["loss"] for r in resumed] == pytest.approx(ref_losses[4:], rel=1e-6)
+
+
 def test_controller_repacks_two_ranks_to_one(tmp_path, reference):
     # A tolerance of 10 accepts any bottleneck up to 11x the 2-rank one, so the first decision
     # (every 2 steps) re-packs: the controller path, not a forced layout.
