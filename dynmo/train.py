@@ -328,6 +328,8 @@ class Trainer:
         for e in mig:
             e["bytes"] = int(sc[:, 4].sum())
             e["seconds"] = float(sc[:, 5].max())
+            if "predicted_bottleneck_s" in e:  # the slowest stage per microbatch, as measured on this step
+                e["measured_bottleneck_s"] = max(stage_compute) / self.pipe.microbatches
         tokens = self.cfg.train.global_batch * self.cfg.model.seq_len
         per_mb = dp * self.pipe.microbatches  # each layer runs once per microbatch per replica
         layers = allv[:, S + K :].view(-1, R, n).sum(0)

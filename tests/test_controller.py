@@ -79,6 +79,7 @@ def test_skewed_model_is_rebalanced_within_two_steps_and_trains_the_same(tmp_pat
     best = balance(Problem(costs=forecast, stages=2, current=[0, 3, 6], speeds=speeds, transfer=transfer), "optimal")
     assert moves[0]["layout"] == best.boundaries
     assert ev["predicted_bottleneck_s"] < ev["current_bottleneck_s"]
+    assert ev["measured_bottleneck_s"] > 0 and ev["decide_s"] >= 0 and ev["profile_s"] >= 0
 
 
 def test_slow_worker_and_slow_link_get_less_work():
