@@ -61,8 +61,18 @@ class Trainer:
         num_stages = ctx.pp * cfg.parallel.virtual_stages
         self.pipe = Pipeline(cfg, ctx, initial_layout(cfg, num_stages))
         self.start_step = 0
+        # dynamic-model cases (dynmo.dynamics.case): same list, same order on every rank; built
+        # before a checkpoint loads, so the layers they add or freeze match what was saved
+        self.cases: list[Case] = [cls(self) for cls in CASES.values() if cls.enabled(cfg)]
+        self.pipe.layer_extras = self.cases  # their per-layer state travels with migrating layers
         if cfg.checkpoint.resume:
-            self.start_step = checkpoint.load(self.pipe, Path(cfg.checkpoint.resume))
+            path = Path(cfg.checkpoint.resume)
+            saved = checkpoint.read_meta(path).get("cases", {})
+            for c in self.cases:
+                c.load_state(saved.get(c.name, {}))
+            self.start_step = checkpoint.load(self.pipe, path)
+            for c in self.cases:
+                c.after_load(self.start_step)
         self.relayouts = checks.parse_relayouts(cfg, num_stages)
         b = cfg.balance
         self.controller = Controller(
@@ -75,12 +85,12 @@ class Trainer:
         self.layer_bytes: list[int] = []
         if b.when != "never":
             self._measure_workers()
-        # dynamic-model cases (dynmo.dynamics.case): same list, same order on every rank
-        self.cases: list[Case] = [cls(self) for cls in CASES.values() if cls.enabled(cfg)]
-        self.pipe.layer_extras = self.cases  # their per-layer state travels with migrating layers
         # re-layouts first: layers rebuilt by a migration must get this step's model changes too
         self.hooks: list[StepHook] = [self._forced_relayout, self._rebalance, self._skew, self._cases_before]
         self.kinds = [s.kind for s in self.pipe.specs]
+
+    def _case_states(self) -> dict:
+        return {c.name: c.state() for c in self.cases}
 
     def _measure_workers(self) -> None:
         """Worker speeds and link times for the stage cost (one stage per rank only: with
@@ -257,11 +267,11 @@ class Trainer:
             if trace:
                 trace.write_step(rec)
             if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0:
-                checkpoint.save(self.pipe, self.out / f"checkpoint-{step + 1}", step + 1, cfg)
+                checkpoint.save(self.pipe, self.out / f"checkpoint-{step + 1}", step + 1, cfg, self._case_states())
         if trace:
             trace.close()
         if cfg.checkpoint.final:
-            checkpoint.save(self.pipe, self.out / "checkpoint-final", cfg.train.steps, cfg)
+            checkpoint.save(self.pipe, self.out / "checkpoint-final", cfg.train.steps, cfg, self._case_states())
         summary = {
             "steps": cfg.train.steps,
             "start_step": self.start_step,

@@ -101,3 +101,15 @@ def test_later_blocks_process_fewer_tokens_end_to_end_and_after_migration(tmp_pa
         assert rows[3] < rows[1]  # padded rows computed also fall
     assert recs[-1]["layout"] == [0, 1, 6]
     assert [e["type"] for e in recs[2]["events"]] == ["dynamism"]
+
+
+def test_resume_restores_the_exit_classifiers(tmp_path):
+    args = ["--early_exit.enabled", "true", "--early_exit.first_block", "1", "--early_exit.threshold", "0.5",
+            "--early_exit.start_step", "2"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    run_train(a, "--steps", "6", *args, "--checkpoint.every", "4")
+    run_train(b, "--steps", "6", *args, "--checkpoint.resume", str(a / "checkpoint-4"))
+    full, resumed = metrics(a), metrics(b)
+    assert [r["step"] for r in resumed] == [4, 5]
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in full[4:]], rel=1e-6)
+    assert [r["exit_active_tokens"] for r in resumed] == [r["exit_active_tokens"] for r in full[4:]]

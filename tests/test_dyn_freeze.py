@@ -83,3 +83,16 @@ def test_zero_bubble_schedule_trains_with_frozen_blocks(tmp_path, schedule):
     at5, final = flat(tmp_path / "checkpoint-5", tmp_path), flat(tmp_path / "checkpoint-final", tmp_path)
     assert all(torch.equal(at5[k], final[k]) for k in at5 if k.startswith(("block0.", "block1.")))
     assert any(not torch.equal(at5[k], final[k]) for k in at5 if k.startswith("block3."))
+
+
+def test_resume_keeps_frozen_blocks_frozen_and_the_trajectory(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    run_train(a, "--steps", "9", *FREEZE, "--checkpoint.every", "6")
+    run_train(b, "--steps", "9", *FREEZE, "--checkpoint.resume", str(a / "checkpoint-6"), "--checkpoint.final", "true")
+    full, resumed = metrics(a), metrics(b)
+    assert [r["step"] for r in resumed] == [6, 7, 8]
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in full[6:]], rel=1e-6)
+    assert all(r["freeze_frozen"][1:3] == [1.0, 1.0] for r in resumed)  # still frozen, no re-decision
+    assert not any(e["type"] == "dynamism" for r in resumed for e in r["events"])
+    at6, final = flat(a / "checkpoint-6", tmp_path), flat(b / "checkpoint-final", tmp_path)
+    assert all(torch.equal(at6[k], final[k]) for k in at6 if k.startswith(("block0.", "block1.")))

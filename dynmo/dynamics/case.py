@@ -14,6 +14,11 @@ points of each step on every rank:
                                The trainer merges all ranks into `metrics.jsonl` as one list
                                per metric over all layers (None where a layer has no value),
                                averaging data-parallel replicas.
+    state() / load_state(d)    the case's own state (JSON-able) for checkpoints: saved in
+                               `dynmo.json`; on resume handed back *before* the weights load
+                               (e.g. re-freeze blocks, so no optimizer state is expected for
+                               them), then `after_load(step)` runs *after* (e.g. rebuild masks
+                               from the loaded weights).
     pack_layer(i, layer)       extra per-layer state that must travel with layer i when it
                                migrates to another rank: {key: tensor} (masks, references);
     unpack_layer(i, layer, t)  restores it on the receiving rank after the layer is rebuilt.
@@ -69,6 +74,15 @@ class Case:
 
     def layer_stats(self) -> dict[str, dict[int, Any]]:
         return {}
+
+    def state(self) -> dict:
+        return {}
+
+    def load_state(self, state: dict) -> None:
+        pass
+
+    def after_load(self, step: int) -> None:
+        pass
 
     def pack_layer(self, index: int, layer: nn.Module) -> dict[str, torch.Tensor]:
         return {}

@@ -202,6 +202,21 @@ class Freeze(Case):
             "plasticity": [self.progress[i] for i in newly],
         }]
 
+    def state(self) -> dict:
+        return {"frozen": [i for i, f in enumerate(self.frozen) if f]}
+
+    def load_state(self, state: dict) -> None:
+        """Resume: re-freeze the blocks frozen when the checkpoint was saved (before the load,
+        so their missing optimizer state is not expected). Reference copies restart."""
+        pipe = self.trainer.pipe
+        states = pipe.optimizer_states()
+        for i in state.get("frozen", []):
+            self.frozen[i] = True
+            if i in pipe.layers:
+                freeze_layer(pipe.layers[i])
+                states.pop(i, None)
+        pipe.rebuild_optimizer(states)
+
     def layer_stats(self) -> dict[str, dict[int, Any]]:
         out: dict[str, dict[int, Any]] = {"freeze_frozen": {}, "freeze_wgrad_elems": {}}
         for i in self._blocks():

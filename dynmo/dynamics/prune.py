@@ -303,7 +303,9 @@ class Prune(Case):
         self.kernel: dict[int, str] = {}  # layer index -> chosen kernel (unstructured, after pruning)
         self.timings: dict[int, dict[str, float]] = {}
         self.sparsity = 0.0
-        done = [t for t in range(trainer.start_step) if (sparsity_at(t, self.opts) or 0.0) > 0.0]
+
+    def after_load(self, step: int) -> None:
+        done = [t for t in range(step) if (sparsity_at(t, self.opts) or 0.0) > 0.0]
         if done and not self.opts.structured:
             self._restore_masks(sparsity_at(done[-1], self.opts))
 

@@ -35,7 +35,7 @@ def _state_dict(pipe: Pipeline, with_optim: bool) -> dict[str, torch.Tensor]:
     return sd
 
 
-def save(pipe: Pipeline, path: Path, step: int, cfg: Config) -> None:
+def save(pipe: Pipeline, path: Path, step: int, cfg: Config, cases: dict | None = None) -> None:
     """Collective over the active ranks. `step` = number of steps already trained."""
     path.mkdir(parents=True, exist_ok=True)
     has_optim = any(pipe.optimizer.state.get(p) for layer in pipe.layers.values() for p in layer.parameters())
@@ -52,21 +52,28 @@ def save(pipe: Pipeline, path: Path, step: int, cfg: Config) -> None:
             "layer_names": [s.name for s in pipe.specs],
             "has_optimizer_state": bool(flag.item()),
             "seed": cfg.train.seed,
+            "cases": cases or {},  # the dynamic-model cases' own state (dynmo.dynamics.case)
         }
         (path / "dynmo.json").write_text(json.dumps(meta, indent=2) + "\n")
         (path / "config.toml").write_text(to_toml(cfg))
     dist.barrier(group=group)
 
 
+def read_meta(path: Path) -> dict:
+    return json.loads((path / "dynmo.json").read_text())
+
+
 def load(pipe: Pipeline, path: Path) -> int:
     """Load this rank's layers (and their AdamW state) from `path`; returns the step to resume at."""
-    meta = json.loads((path / "dynmo.json").read_text())
+    meta = read_meta(path)
     if meta["layer_names"] != [s.name for s in pipe.specs]:
         raise ValueError(f"checkpoint {path} has layers {meta['layer_names']}, the model has {[s.name for s in pipe.specs]}")
     if meta["has_optimizer_state"]:
         # AdamW state appears at the first step; allocate it so DCP can load in place.
         for layer in pipe.layers.values():
             for p in layer.parameters():
+                if not p.requires_grad:
+                    continue  # frozen: no optimizer state was saved for it
                 pipe.optimizer.state[p] = {
                     "step": torch.zeros((), dtype=torch.float32),
                     "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
