@@ -1,4 +1,4 @@
-"""`dynmo bench`: the headline benchmark (issue 7).
+"""`dynmo bench`: the headline benchmark.
 
     dynmo bench --out bench/ [--cases skewed,moe,...] [--steps N] [--no-real] [--no-sim]
 

@@ -132,6 +132,12 @@ def validate(cfg: Config, world: int) -> None:
             f"balance.balancer {bc.balancer!r} cannot drive a pipeline; choose optimal, deepspeed, "
             "diffusion-contiguous or uniform (diffusion breaks contiguity)"
         )
+    changes = cfg.prune.enabled or cfg.freeze.enabled or cfg.early_exit.enabled or (cfg.skew.factor > 1)
+    if bc.when == "dynamism" and not changes:
+        raise ConfigError(
+            "balance.when = dynamism rebalances after steps that change the model (prune, freeze, early_exit, "
+            "skew), and none is enabled; use balance.when = auto (or every) for models whose cost drifts per step"
+        )
     if bc.repack and v != 1:
         raise ConfigError(f"balance.repack needs one stage per rank (schedule gpipe or 1f1b), not {sched}")
     if bc.repack and bc.when == "never":

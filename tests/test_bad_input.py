@@ -41,6 +41,7 @@ def dynmo_train(tmp_path, *args, nproc=2):
         (["--model.block", "moe", "--model.moe.top_k", "9"], 2, "must be in 1..model.moe.num_experts"),
         (["--balance.repack", "true"], 2, "needs a controller"),
         (["--balance.speeds", "1.0"], 2, "one positive speed per pipeline rank"),
+        (["--balance.when", "dynamism"], 2, "none is enabled; use balance.when = auto"),
     ],
 )
 def test_bad_input_fails_fast_with_a_clear_message(tmp_path, args, nproc, message):

@@ -122,3 +122,17 @@ def test_auto_does_not_migrate_a_balanced_model(tmp_path):
     recs = metrics(tmp_path)
     assert len(recs) == 60
     assert not [r["step"] for r in recs if any(e["type"] == "migration" for e in r["events"])]
+
+
+@pytest.mark.dist
+def test_dynamism_trigger_rebalances_right_after_the_change(tmp_path):
+    # the paper's Algorithm 1: profile the step that changed the model, rebalance before the next
+    common = ["--steps", "8", "--skew.blocks", "0;1", "--skew.factor", "8", "--skew.start_step", "3",
+              "--parallel.layout", "0,3,6"]
+    run_train(tmp_path / "static", *common)
+    run_train(tmp_path / "dyn", *common, "--balance.when", "dynamism")
+    static, dyn = metrics(tmp_path / "static"), metrics(tmp_path / "dyn")
+    assert [r["loss"] for r in dyn] == [r["loss"] for r in static]
+    moved = [r["step"] for r in dyn if any(e["type"] == "migration" for e in r["events"])]
+    assert moved == [4]
+    assert dyn[4]["layout"] != [0, 3, 6] and dyn[-1]["imbalance"] < static[-1]["imbalance"]
