@@ -78,7 +78,7 @@ class Trainer:
         self.controller = Controller(
             when=b.when, every=b.every, balancer=b.balancer, window=b.window, min_gain=b.min_gain,
             horizon=b.horizon, microbatches=cfg.train.microbatches, repack=b.repack,
-            repack_tolerance=b.repack_tolerance,
+            repack_tolerance=b.repack_tolerance, capacity=b.memory_gb * 2**30 or None,
         )
         self.param_counts = layer_param_counts(cfg.model)
         self.profile_s = 0.0  # profiler bookkeeping since the last decision
@@ -206,7 +206,6 @@ class Trainer:
         # any stage keeps in flight (conservative: the layer may land on the first stage)
         held = max(self.pipe.in_flight(j) for j in range(self.pipe.num_stages))
         ctl.memory = [s + held * a for s, a in zip(rec["layer_state_bytes"], rec["layer_act_bytes"])]
-        ctl.capacity = self.cfg.balance.memory_gb * 2**30 or None
         if any(e["type"] == "dynamism" for e in rec["events"]):
             ctl.dynamism()
         ctl.observe(costs)

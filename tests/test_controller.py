@@ -1,6 +1,5 @@
 """The controller's policy (pure) and the DynMo loop end to end on the skewed model."""
 
-import json
 import random
 from statistics import median
 
@@ -59,13 +58,19 @@ def test_every_n_steps():
     assert [s for s in range(1, 13) if c.decide(s, lay, [0] * 4, 100)] == [4, 8, 12]
 
 
-@pytest.mark.dist
-def test_skewed_model_is_rebalanced_within_two_steps_and_trains_the_same(tmp_path):
-    common = ["--steps", "20", "--skew.blocks", "0;1", "--skew.factor", "8", "--skew.start_step", "3",
+def skewed_runs(tmp_path, steps: int, when: str) -> tuple[list[dict], list[dict]]:
+    """Blocks 0 and 1 do 8x the MLP work from step 3, under `E t t | t t L`: the metrics of a
+    static run and of a run with `balance.when = when`."""
+    common = ["--steps", str(steps), "--skew.blocks", "0;1", "--skew.factor", "8", "--skew.start_step", "3",
               "--parallel.layout", "0,3,6"]
     run_train(tmp_path / "static", *common)
-    run_train(tmp_path / "auto", *common, "--balance.when", "auto")
-    static, auto = metrics(tmp_path / "static"), metrics(tmp_path / "auto")
+    run_train(tmp_path / when, *common, "--balance.when", when)
+    return metrics(tmp_path / "static"), metrics(tmp_path / when)
+
+
+@pytest.mark.dist
+def test_skewed_model_is_rebalanced_within_two_steps_and_trains_the_same(tmp_path):
+    static, auto = skewed_runs(tmp_path, 20, "auto")
     assert [r["loss"] for r in auto] == [r["loss"] for r in static]  # bitwise
     moves = [r for r in auto if any(e["type"] == "migration" for e in r["events"])]
     assert moves and 3 < moves[0]["step"] <= 3 + 2
@@ -127,11 +132,7 @@ def test_auto_does_not_migrate_a_balanced_model(tmp_path):
 @pytest.mark.dist
 def test_dynamism_trigger_rebalances_right_after_the_change(tmp_path):
     # the paper's Algorithm 1: profile the step that changed the model, rebalance before the next
-    common = ["--steps", "8", "--skew.blocks", "0;1", "--skew.factor", "8", "--skew.start_step", "3",
-              "--parallel.layout", "0,3,6"]
-    run_train(tmp_path / "static", *common)
-    run_train(tmp_path / "dyn", *common, "--balance.when", "dynamism")
-    static, dyn = metrics(tmp_path / "static"), metrics(tmp_path / "dyn")
+    static, dyn = skewed_runs(tmp_path, 8, "dynamism")
     assert [r["loss"] for r in dyn] == [r["loss"] for r in static]
     moved = [r["step"] for r in dyn if any(e["type"] == "migration" for e in r["events"])]
     assert moved == [4]

@@ -8,12 +8,12 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from dynmo.config import ModelConfig
 from dynmo.dynamics.hashattn import HashAttnBlock, HashAttnOptions, HashSparseAttention
 from dynmo.model.gpt import BLOCKS, Block, CausalSelfAttention, LayerSpec, build_layer
+from tests.toy import train_block
 
 B, T, D, H = 2, 32, 32, 2
 
@@ -90,22 +90,7 @@ def test_counted_tile_work_follows_blocks_computed():
 def test_skipped_fraction_changes_during_training_and_loss_decreases():
     torch.manual_seed(2)
     block = HashAttnBlock(cfg_with(n_buckets=4, chunk=4))
-    head = torch.nn.Linear(D, 5)
-    x, y = torch.randn(B, T, D), torch.randint(0, 5, (B, T))
-    mask = torch.ones(B, T, dtype=torch.bool)
-    params = list(block.parameters()) + list(head.parameters())
-    opt = torch.optim.AdamW(params, lr=2e-2)
-    skipped, losses = [], []
-    for _ in range(10):
-        block.reset_stats()
-        out, _ = block(x, mask)
-        loss = F.cross_entropy(head(out).flatten(0, 1), y.flatten())
-        opt.zero_grad()
-        loss.backward()
-        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in params)
-        opt.step()
-        skipped.append(block.last_stats["skipped_fraction"])
-        losses.append(loss.item())
+    losses, skipped = train_block(block, 10, "skipped_fraction", B, T, D)
     assert all(0.0 < s < 1.0 for s in skipped)
     assert len(set(skipped)) > 1  # the hash distribution, and the work, move with the weights
     assert losses[-1] < losses[0]

@@ -12,6 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from dynmo.config import ModelConfig
 from dynmo.dynamics.mod import MoDBlock, MoDOptions
 from dynmo.model.gpt import BLOCKS, Block, LayerSpec, build_layer
+from tests.toy import train_block
 
 B, T, D = 3, 16, 32
 
@@ -50,13 +51,19 @@ def test_unchosen_tokens_pass_bitwise(capacity):
     assert block.last_stats["tokens_processed"] == int(chosen.sum())
 
 
+def dense_twin(block: MoDBlock, cfg: ModelConfig) -> Block:
+    """A dense Block with the MoD block's attention and MLP weights."""
+    dense = Block(cfg)
+    dense.load_state_dict({k: v for k, v in block.state_dict().items() if not k.startswith(("router", "predictor"))})
+    return dense
+
+
 def test_full_capacity_equals_dense_block_update():
     """capacity 1: out = x + sigmoid(r) * (Block(x) - x) with the same weights."""
     torch.manual_seed(1)
     cfg = cfg_with(capacity=1.0)
     block = make(capacity=1.0)
-    dense = Block(cfg)
-    dense.load_state_dict({k: v for k, v in block.state_dict().items() if not k.startswith(("router", "predictor"))})
+    dense = dense_twin(block, cfg)
     x = torch.randn(B, T, D)
     mask = torch.ones(B, T, dtype=torch.bool)
     with torch.no_grad():
@@ -70,8 +77,7 @@ def test_chosen_tokens_equal_block_on_the_subsequence():
     torch.manual_seed(2)
     cfg = cfg_with(capacity=0.25)
     block = make(capacity=0.25)
-    dense = Block(cfg)
-    dense.load_state_dict({k: v for k, v in block.state_dict().items() if not k.startswith(("router", "predictor"))})
+    dense = dense_twin(block, cfg)
     x = torch.randn(B, T, D)
     mask = torch.ones(B, T, dtype=torch.bool)
     with torch.no_grad():
@@ -174,22 +180,7 @@ def test_predictor_loss_gradients_equal_summed_objective():
 def test_training_toy_batch_and_predictor_learns():
     torch.manual_seed(5)
     block = make(capacity=0.25, predictor_loss_coef=1.0)
-    head = torch.nn.Linear(D, 5)
-    x, y = torch.randn(B, T, D), torch.randint(0, 5, (B, T))
-    mask = torch.ones(B, T, dtype=torch.bool)
-    params = list(block.parameters()) + list(head.parameters())
-    opt = torch.optim.AdamW(params, lr=2e-2)
-    losses, aux = [], []
-    for _ in range(25):
-        block.reset_stats()
-        out, _ = block(x, mask)
-        loss = F.cross_entropy(head(out).flatten(0, 1), y.flatten())
-        opt.zero_grad()
-        loss.backward()
-        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in params)
-        opt.step()
-        losses.append(loss.item())
-        aux.append(block.last_stats["aux_loss"])
+    losses, aux = train_block(block, 25, "aux_loss", B, T, D)
     assert losses[-1] < losses[0]
     assert aux[-1] < aux[0]
 
@@ -198,8 +189,7 @@ def test_predictor_routing_is_causal_and_bypasses_the_rest():
     torch.manual_seed(6)
     cfg = cfg_with(routing="predictor")
     block = make(routing="predictor")
-    dense = Block(cfg)
-    dense.load_state_dict({k: v for k, v in block.state_dict().items() if not k.startswith(("router", "predictor"))})
+    dense = dense_twin(block, cfg)
     with torch.no_grad():
         block.predictor.weight.normal_(0.0, 1.0)
     x = torch.randn(B, T, D)

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from dynmo.balance import Problem, balance
 from dynmo.cli import main as dynmo_main
 from dynmo.layout import Layout
 from dynmo.sim import simulate, stage_times

@@ -11,7 +11,7 @@ Re-packing methods: optimal (ours), firstfit (paper Algorithm 4). See docs/balan
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 from .diffusion import diffusion, diffusion_contiguous
 from .optimal import optimal

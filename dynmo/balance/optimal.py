@@ -276,7 +276,7 @@ class Solver:
     # ---- backward reachability (mirror of forward, in the same coordinates) -----------
     def backward(self, B: float) -> list[Intervals]:
         """Q_0..Q_p: Q_j = positions a such that layers [a, n) fit stages j..p-1."""
-        n, p, Pl, Ml = self.n, self.p, self.Pl, self.Ml
+        n, p = self.n, self.p
         Q: Intervals = [(n, n)]
         out: list[Intervals] = [Q]
         for j in range(p - 1, -1, -1):
@@ -354,7 +354,6 @@ class Solver:
         that range's load. Stages where the memory cap or the clamp k decides cannot change.
         """
         n, p, Pl = self.n, self.p, self.Pl
-        mcap = self.mcap[0]
         cl = self.ccap(B, p - 1)
         nm = self._near_m
         nc_last = self._near(n, cl, math.inf)
@@ -457,15 +456,22 @@ class Solver:
     def _search(self, lo: float, best: list[int], probe, probes: int) -> tuple[float, list[int], int]:
         """Bisection between achievable bounds (module docstring); `best` is feasible."""
         hi = self.bottleneck_of(best)
+
+        def improves(bnd: list[int]) -> bool:
+            """Keep `bnd` if it beats the best so far."""
+            nonlocal hi, best
+            L = self.bottleneck_of(bnd)
+            if L < hi:
+                hi, best = L, bnd
+                return True
+            return False
+
         while hi - lo > self.btol:
             mid = lo + (hi - lo) / 2
             ok, bnd, ev, achievable = probe(mid)
             probes += 1
             if ok:
-                L = self.bottleneck_of(bnd)
-                if L < hi:
-                    hi, best = L, bnd
-                else:  # hi is already within tolerance of mid: nothing better exists
+                if not improves(bnd):  # hi is already within tolerance of mid: nothing better exists
                     break
             else:
                 lo = max(ev, mid)
@@ -473,9 +479,7 @@ class Solver:
                     ok, bnd, ev2, _ = probe(lo)
                     probes += 1
                     if ok:
-                        L = self.bottleneck_of(bnd)
-                        if L < hi:
-                            hi, best = L, bnd
+                        improves(bnd)
                         break
                     lo = max(ev2, lo)
         return hi, best, probes
@@ -486,7 +490,7 @@ class Solver:
 
         cur[j] = (u, v): the layers [u, v) that the worker of stage j holds today.
         """
-        n, p = self.n, self.p
+        p = self.p
         Fs = self._homogeneous_fsets(B) if self.homog else None
         if Fs is None:
             ok, R, _ = self.forward(B)

@@ -34,7 +34,6 @@ over batch and heads), forwards.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn

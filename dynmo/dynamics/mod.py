@@ -36,7 +36,6 @@ tokens), predictor_accuracy and aux_loss (means), forwards.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn

@@ -254,11 +254,12 @@ class Pipeline:
         t0 = time.perf_counter()
         states = self.optimizer_states()
         src_rank = self.layer_ranks(old)
+        old_owner, new_owner = old.owner(), new.owner()
         me, group, dev = self.ctx.pp_rank, self.ctx.pp_group, self.ctx.device
         # Every rank walks the same global order, so each blocking send meets its receive.
         for i in range(len(self.specs)):
             src, dst = src_rank[i], dst_rank[i]
-            a, b = old.owner()[i], new.owner()[i]
+            a, b = old_owner[i], new_owner[i]
             if a != b or src != dst:
                 report.moves.append({"layer": i, "name": self.specs[i].name, "from": a, "to": b})
             if src == dst:

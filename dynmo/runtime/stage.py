@@ -72,6 +72,7 @@ class StageModule(nn.Module):
         self.act_bytes = [0] * len(self.indices)  # activations saved for backward, summed over microbatches
         self.forwards = 0
         self.profile_s = 0.0  # host seconds spent in the profiler's own bookkeeping
+        self._resolved: tuple[int, dict] | None = None
         self._mark = None
 
     def forward(self, *args):
@@ -144,6 +145,10 @@ class StageModule(nn.Module):
         return sum(1 for sp in self.spans if sp[0] == "b")
 
     def _sums(self) -> dict[str, list[float]]:
+        """Per-bucket sums (and per-microbatch times in `_per_mb`), resolved once per step:
+        layer_times, layer_costs and compute_seconds all read them after the step."""
+        if self._resolved is not None and self._resolved[0] == len(self.spans):
+            return self._resolved[1]
         self.clock.sync()
         n = len(self.indices)
         out = {"f": [0.0] * n, "b": [0.0] * n, "w": [0.0], "c": [0.0]}
@@ -155,6 +160,7 @@ class StageModule(nn.Module):
                 d = per_mb.setdefault((bucket, k), {})
                 d[mb] = d.get(mb, 0.0) + dt
         self._per_mb = per_mb
+        self._resolved = (len(self.spans), out)
         return out
 
     def layer_times(self) -> dict[int, tuple[float, float]]:

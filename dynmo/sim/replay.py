@@ -32,7 +32,7 @@ from typing import Sequence
 
 import numpy as np
 
-from dynmo.balance import BALANCERS, Problem, balance, repack
+from dynmo.balance import BALANCERS, Problem, balance
 from dynmo.controller import WHEN, Controller, retune_microbatches
 from dynmo.layout import Layout, imbalance
 from dynmo.sim.engine import SimInputError, StageTimes, ring_allreduce_time, simulate_plan
