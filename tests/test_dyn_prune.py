@@ -194,3 +194,10 @@ def test_structured_pruning_shrinks_blocks_globally_and_migrates_them_exactly(tm
     assert [w6[f"block{b}.mlp.fc.weight"].shape[0] for b in range(4)] == hidden[3]
     dens = moved[-1]["prune_density"][1:-1]
     assert all(0 < d < 1 for d in dens) and moved[-1]["prune_macs_per_token"][1] < moved[2]["prune_macs_per_token"][1]
+    # resuming the narrowed model (from the widths in dynmo.json) continues the same trajectory,
+    # through the second pruning step at 6, on another layout
+    run_train(tmp_path / "resumed", *STRUCT, "--checkpoint.resume", str(tmp_path / "moved" / "checkpoint-6"))
+    resumed = metrics(tmp_path / "resumed")
+    assert [r["step"] for r in resumed] == [6, 7, 8]
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in static[6:]], rel=1e-6)
+    assert [[int(v) for v in r["prune_hidden"][1:-1]] for r in resumed] == hidden[6:]

@@ -40,9 +40,10 @@ in the metrics. Data-parallel replicas sum their measurements so they pick alike
 Structured pruning (`prune.structured = true`): whole MLP hidden units (a row of fc and the
 matching column of proj) are removed by a global L2-norm criterion, so the dense matrices
 really shrink (every block keeps at least one unit). A migrated block is rebuilt at full size
-and resizes itself when loading the smaller weights (`dynmo.model.gpt.MLP`). Resuming a
-checkpoint of a structurally pruned model is not supported (the loader builds full-size
-layers); resuming an unstructured one restores the masks from the saved zeros.
+and resizes itself when loading the smaller weights (`dynmo.model.gpt.MLP`). Resuming: the
+checkpoint's `dynmo.json` records every block's MLP width, and the blocks are narrowed to it
+before the weights load (which weights survive is in the saved weights themselves); resuming
+an unstructured run restores the masks from the saved zeros.
 
 Per-layer metrics: prune_density (live / original Linear weights), prune_kernel (0 dense,
 1 csr), prune_dense_ms / prune_csr_ms (measured fwd+bwd of the block's Linears at the last
@@ -303,6 +304,28 @@ class Prune(Case):
         self.kernel: dict[int, str] = {}  # layer index -> chosen kernel (unstructured, after pruning)
         self.timings: dict[int, dict[str, float]] = {}
         self.sparsity = 0.0
+        self.hidden: list[int] | None = None  # structured: every block's MLP width, model-wide
+
+    def state(self) -> dict:
+        return {"hidden": self.hidden} if self.opts.structured and self.hidden else {}
+
+    def load_state(self, state: dict) -> None:
+        """Resume a structurally pruned run: narrow the blocks to their saved widths before
+        the weights load (the loader fills tensors in place, so their shapes must match)."""
+        hidden = state.get("hidden")
+        if not hidden:
+            return
+        if len(hidden) != self._num_blocks():
+            raise ValueError(f"the checkpoint's prune state has {len(hidden)} block widths, the model has {self._num_blocks()} blocks")
+        self.hidden = [int(h) for h in hidden]
+        pipe = self.trainer.pipe
+        states = pipe.optimizer_states()
+        for i, block in self._blocks().items():
+            width = self.hidden[pipe.specs[i].index - 1]
+            if width != block.mlp.fc.out_features:
+                shrink_mlp(block.mlp, torch.arange(width))
+                states.pop(i, None)  # the loader allocates and fills the narrower moments
+        pipe.rebuild_optimizer(states)
 
     def after_load(self, step: int) -> None:
         done = [t for t in range(step) if (sparsity_at(t, self.opts) or 0.0) > 0.0]
@@ -413,6 +436,14 @@ class Prune(Case):
             shrink_mlp(block.mlp, idx)
         # the optimizer holds the old Parameters: rebuild it over the new ones, moments carried
         pipe.rebuild_optimizer(states)
+        # every block's width, model-wide (a checkpoint records it for resuming)
+        widths = torch.zeros(self._num_blocks(), dtype=torch.int64)
+        for i, block in blocks.items():
+            widths[pipe.specs[i].index - 1] = block.mlp.fc.out_features
+        group = self.trainer.ctx.pp_group
+        if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(widths, group=group)
+        self.hidden = widths.tolist()
         return {"type": "dynamism", "step": step, "sparsity": s, "structured": True, "kept_units": keep, "total_units": total}
 
     def after_step(self, step: int, result: Any) -> list[dict]:
