@@ -6,6 +6,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# CI (CI=true) runs the property tests on a fixed sequence of examples, so a red CI is
+# reproducible and not an unlucky draw; a developer's run keeps exploring new examples (and
+# hypothesis saves any failure it finds to .hypothesis/ to replay next time).
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI", "").lower() == "true":
+    settings.load_profile("ci")
 
 ROOT = Path(__file__).resolve().parents[1]
 
