@@ -105,10 +105,19 @@ def sparsity_at(step: int, p: PruneConfig) -> float | None:
 # ---- distributed global top-k --------------------------------------------------------------
 
 
-def _count(t: torch.Tensor, group) -> int:
-    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+def _distributed(group) -> bool:
+    return group is not None and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def _sum(t: torch.Tensor, group) -> torch.Tensor:
+    """`t` summed over the ranks of `group` (in place; no-op on one rank)."""
+    if _distributed(group):
         dist.all_reduce(t, group=group)
-    return int(t)
+    return t
+
+
+def _count(t: torch.Tensor, group) -> int:
+    return int(_sum(t, group))
 
 
 def global_keep(scores: list[torch.Tensor], keep: int, group=None) -> list[torch.Tensor]:
@@ -141,7 +150,7 @@ def global_keep(scores: list[torch.Tensor], keep: int, group=None) -> list[torch
         need = keep - n_above  # ties to keep, handed out in rank order
         my_ties = int(ties.sum())
         before = 0
-        if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        if _distributed(group):
             counts = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
             dist.all_gather(counts, torch.tensor([my_ties], dtype=torch.int64), group=group)
             before = sum(int(c) for c in counts[: dist.get_rank(group)])
@@ -440,10 +449,7 @@ class Prune(Case):
         widths = torch.zeros(self._num_blocks(), dtype=torch.int64)
         for i, block in blocks.items():
             widths[pipe.specs[i].index - 1] = block.mlp.fc.out_features
-        group = self.trainer.ctx.pp_group
-        if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(widths, group=group)
-        self.hidden = widths.tolist()
+        self.hidden = _sum(widths, self.trainer.ctx.pp_group).tolist()
         return {"type": "dynamism", "step": step, "sparsity": s, "structured": True, "kept_units": keep, "total_units": total}
 
     def after_step(self, step: int, result: Any) -> list[dict]:
