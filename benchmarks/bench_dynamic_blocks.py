@@ -24,9 +24,9 @@ import time
 import torch
 
 from dynmo.config import HashAttnConfig, MoDConfig, MoEConfig, ModelConfig
-from dynmo.model.gpt import Block, build_layer, LayerSpec
-import dynmo.dynamics  # noqa: F401  registers the blocks
-from dynmo.dynamics.moe import MoEBlock
+from dynmo.model.gpt import Block
+from dynmo.model.layers import LayerSpec, build_layer
+from dynmo.model.moe import MoEBlock
 
 
 def fwd_bwd_s(fns: list, params: list[list], repeats: int) -> list[float]:

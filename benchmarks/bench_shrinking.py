@@ -21,10 +21,12 @@ import time
 import torch
 
 from dynmo.config import EarlyExitConfig, ModelConfig
-from dynmo.dynamics.earlyexit import ExitRouter
-from dynmo.dynamics.prune import PRUNABLE, global_keep, set_mask
+from dynmo.dynamics.earlyexit import install_gate
 from dynmo.dynamics.freeze import freeze_layer
-from dynmo.model.gpt import LayerSpec, build_layer
+from dynmo.dynamics.prune import PRUNABLE
+from dynmo.dynamics.topk import global_keep
+from dynmo.model.layers import LayerSpec, build_layer
+from dynmo.model.sparse import set_mask
 
 
 def fwd_bwd(block, x, mask, repeats: int) -> float:
@@ -69,8 +71,8 @@ def main() -> None:
             lins = [b.get_submodule(n) for n in PRUNABLE]
             scores = [l.weight.detach().abs() for l in lins]
             total = sum(s.numel() for s in scores)
-            for lin, m in zip(lins, global_keep(scores, round(density * total))):
-                set_mask(lin, m, kernel)
+            for name, m in zip(PRUNABLE, global_keep(scores, round(density * total))):
+                set_mask(b, name, m, kernel)
             row[kernel] = fwd_bwd(b, x, full, args.repeats)
         pick = "csr" if row["csr"] < row["dense"] else "dense"
         print(f"{density:8.2f} {1e3 * row['dense']:16.2f} {1e3 * row['csr']:8.2f} {row['csr'] / row['dense']:10.2f} {pick:>11}")
@@ -86,7 +88,7 @@ def main() -> None:
     print("\nearly exit (active tokens per sequence; exited tokens stay keys/values)")
     print(f"{'active':>7} {'ms':>8} {'vs all active':>14}")
     b = fresh()
-    b.token_router = ExitRouter(EarlyExitConfig(), can_exit=False)
+    install_gate(b, EarlyExitConfig(), can_exit=False)
     for frac in (1.0, 0.75, 0.5, 0.25, 0.1):
         mask = torch.rand(B, T, generator=torch.Generator().manual_seed(0)) < frac if frac < 1 else full
         t = fwd_bwd(b, x, mask, args.repeats)

@@ -191,7 +191,7 @@ def validate_policy(out: Path, steps: int, reuse: bool) -> dict:
         run("skewed-static", SKEW, steps, out)
         run("skewed-auto", SKEW + ["--balance.when", "auto"], steps, out)
     trace = trace_from_metrics(static)
-    uni, opt = replay(trace, None, None, ["uniform", "optimal"], ReplayOptions(when="auto"))
+    uni, opt = replay(trace, None, None, ["uniform", "optimal"], ReplayOptions())
     A, B = Layout(tuple(uni.layouts[0])), Layout(tuple(opt.layouts[-1]))
     if not reuse:
         switches = [f"{k}:{','.join(map(str, (B if n % 2 == 0 else A).boundaries))}"

@@ -1,11 +1,16 @@
 """dynmo: balanced and elastic pipeline-parallel training of dynamic transformer LMs.
 
-Architecture (imports only flow downwards):
+The package is a stack of layers; a module imports only from its own layer or lower ones
+(docs/architecture.md has the table, tests/test_architecture.py checks it):
 
-    dynmo.layout, dynmo.balance, dynmo.sim      pure algorithms, no torch, no runtime
-    dynmo.model, dynmo.data, dynmo.config       model, data and configuration
-    dynmo.runtime                               torch.distributed pipeline runtime
-    dynmo.cli, dynmo.train                      entry points
+    dynmo.config, .layout, .schedules, .record      foundations (stdlib only)
+    dynmo.balance                                   balancers (numpy)
+    dynmo.controller, .loop, .plan                  the DynMo loop's decisions (pure)
+    dynmo.sim                                       simulator and trace replay (pure)
+    dynmo.data, dynmo.model                         tokens and the model (torch)
+    dynmo.dynamics                                  dynamic-model cases
+    dynmo.runtime                                   the torch.distributed pipeline runtime
+    dynmo.checks, .train, .launch, .bench, .cli     entry points
 """
 
 __version__ = "0.1.0"

@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
-class Case:
+class BenchCase:
     name: str
     config: str
     when: str  # the controller trigger dynmo uses for this case
@@ -52,13 +52,13 @@ class Case:
 
 
 CASES = [
-    Case("skewed", "configs/skewed.toml", "auto", 24, 30, 48),
-    Case("moe", "configs/moe.toml", "auto", 16, 8, 32),
-    Case("mod", "configs/mod.toml", "auto", 16, 8, 32),
-    Case("hashattn", "configs/hashattn.toml", "auto", 24, 30, 48),
-    Case("pruning", "configs/pruning.toml", "dynamism", 24, 30, 48),
-    Case("freezing", "configs/freezing.toml", "dynamism", 24, 30, 48),
-    Case("earlyexit", "configs/earlyexit.toml", "auto", 24, 30, 48),
+    BenchCase("skewed", "configs/skewed.toml", "auto", 24, 30, 48),
+    BenchCase("moe", "configs/moe.toml", "auto", 16, 8, 32),
+    BenchCase("mod", "configs/mod.toml", "auto", 16, 8, 32),
+    BenchCase("hashattn", "configs/hashattn.toml", "auto", 24, 30, 48),
+    BenchCase("pruning", "configs/pruning.toml", "dynamism", 24, 30, 48),
+    BenchCase("freezing", "configs/freezing.toml", "dynamism", 24, 30, 48),
+    BenchCase("earlyexit", "configs/earlyexit.toml", "auto", 24, 30, 48),
 ]
 SIM_POLICIES = ["uniform", "params", "optimal", "optimal+repack", "deepspeed", "diffusion-contiguous", "oracle"]
 
@@ -98,7 +98,7 @@ def oracle_bound(recs: list[dict]) -> float:
     return static / best if best > 0 else float("nan")
 
 
-def real_row(case: Case, out: Path, steps: int | None, repeats: int = 1) -> dict:
+def real_row(case: BenchCase, out: Path, steps: int | None, repeats: int = 1) -> dict:
     extra = ["--steps", str(steps)] if steps else []
     runs: dict[str, list[list[dict]]] = {"static": [], "dynmo": []}
     for rep in range(repeats):
@@ -133,15 +133,15 @@ def real_row(case: Case, out: Path, steps: int | None, repeats: int = 1) -> dict
     }
 
 
-def sim_rows(case: Case, out: Path) -> list[dict]:
+def sim_rows(case: BenchCase, out: Path) -> list[dict]:
     from dynmo.sim import load_trace, scale_trace
     from dynmo.sim.plots import write_plots
-    from dynmo.sim.replay import ReplayOptions, replay
+    from dynmo.sim.replay import ReplayOptions, replay, replay_balance
 
     trace = scale_trace(load_trace(out / "traces" / f"{case.name}-static.jsonl"), case.blocks, noise=0.05)
     # 4 microbatches per stage (as benchmarks/bench_sim.py), as large runs use to keep the
     # fill/drain bubble small; the real run's trigger (a trace's dynamism events drive `dynamism`)
-    opts = ReplayOptions(microbatches=4 * case.stages, when=case.when)
+    opts = ReplayOptions(microbatches=4 * case.stages, balance=replay_balance(when=case.when))
     results = replay(trace, stages=case.stages, dp=case.dp, policies=SIM_POLICIES, options=opts)
     write_plots(results, out / "plots" / case.name, title=f"{case.name}: {case.blocks} blocks, {case.stages} stages x {case.dp} dp")
     return [{"case": case.name, "shape": f"{case.blocks + 2} layers, {case.stages}x{case.dp}", **r.as_dict(per_step=False)}

@@ -10,85 +10,33 @@ import json
 from pathlib import Path
 
 from dynmo.config import Config, ConfigError
-from dynmo.layout import Layout, LayoutError
+from dynmo.loop import check_balance
+from dynmo.plan import explicit_layout, num_layers, parse_relayouts, resolve_pp
+from dynmo.schedules import TRAINABLE, ScheduleError, get_schedule
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved1f1b", "interleavedzb", "zbv")
-MULTI_STAGE = ("interleaved1f1b", "interleavedzb", "zbv")
 MODEL_SHAPE_FIELDS = ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "mlp_ratio")
-
-
-def num_layers(cfg: Config) -> int:
-    return cfg.model.n_layers + 2
-
-
-def resolve_pp(cfg: Config, world: int) -> int:
-    p = cfg.parallel
-    if p.dp < 1:
-        raise ConfigError(f"parallel.dp must be >= 1, got {p.dp}")
-    if p.pp:
-        return p.pp
-    if world % p.dp:
-        raise ConfigError(f"{world} ranks cannot be split into parallel.dp={p.dp} replicas")
-    return world // p.dp
-
-
-def parse_relayouts(cfg: Config, num_stages: int) -> dict[int, Layout]:
-    out: dict[int, Layout] = {}
-    for entry in cfg.parallel.relayout:
-        if ":" not in entry:
-            raise ConfigError(f"parallel.relayout entry {entry!r} must look like STEP:LAYOUT, e.g. 5:0,3,6,10")
-        step_s, lay = entry.split(":", 1)
-        try:
-            step = int(step_s)
-        except ValueError:
-            raise ConfigError(f"parallel.relayout entry {entry!r}: step {step_s!r} is not an integer") from None
-        where = f"parallel.relayout entry {entry!r}"
-        try:
-            layout = Layout.parse(lay, num_layers(cfg))
-        except LayoutError as e:
-            raise ConfigError(f"{where}: {e}") from None
-        if layout.num_stages != num_stages:
-            if layout.num_stages > num_stages:
-                raise ConfigError(f"{where}: layout {layout} has {layout.num_stages} stages, the pipeline has "
-                                  f"{num_stages} and cannot grow")
-            if cfg.parallel.virtual_stages != 1:
-                raise ConfigError(f"{where}: re-packing onto fewer stages needs one stage per rank "
-                                  f"(schedule gpipe or 1f1b), not {cfg.parallel.schedule}")
-            num_stages = layout.num_stages  # a re-pack: later entries apply to the shrunk pipeline
-        out[step] = layout
-    if list(out) != sorted(out):
-        raise ConfigError("parallel.relayout entries must be in step order")
-    return out
-
-
-def explicit_layout(text: str, cfg: Config, num_stages: int, where: str) -> Layout:
-    n = num_layers(cfg)
-    try:
-        layout = Layout.parse(text, n)
-    except LayoutError as e:
-        raise ConfigError(f"{where}: {e}") from None
-    if layout.num_stages != num_stages:
-        raise ConfigError(
-            f"{where}: layout {layout} has {layout.num_stages} stages but the pipeline has {num_stages}"
-        )
-    return layout
 
 
 def validate(cfg: Config, world: int) -> None:
     """Raise ConfigError naming the problem and the fix. `world` = number of ranks."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
-    if p.schedule.lower() not in SCHEDULE_NAMES:
-        raise ConfigError(f"unknown schedule {p.schedule!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
-    sched = p.schedule.lower()
+    try:
+        schedule = get_schedule(p.schedule)
+    except ScheduleError:
+        schedule = None
+    if schedule is None or not schedule.trainable:
+        raise ConfigError(f"unknown schedule {p.schedule!r}; choose one of {', '.join(TRAINABLE)}")
+    sched = schedule.name
     pp = resolve_pp(cfg, world)
     if pp * p.dp != world:
         raise ConfigError(f"parallel.pp={pp} x parallel.dp={p.dp} = {pp * p.dp} ranks, but {world} were requested")
     v = p.virtual_stages
-    if sched == "zbv" and v != 2:
-        raise ConfigError("schedule zbv needs parallel.virtual_stages = 2")
-    if sched not in MULTI_STAGE and v != 1:
+    if schedule.fixed_stages_per_rank == 2 and v != 2:
+        raise ConfigError(f"schedule {sched} needs parallel.virtual_stages = 2")
+    if not schedule.multi_stage and v != 1:
+        multi = [s for s in TRAINABLE if get_schedule(s).multi_stage]
         raise ConfigError(f"schedule {sched} runs one stage per rank; set parallel.virtual_stages = 1 "
-                          f"or use one of {', '.join(MULTI_STAGE)}")
+                          f"or use one of {', '.join(multi)}")
     if v < 1:
         raise ConfigError(f"parallel.virtual_stages must be >= 1, got {v}")
     stages = pp * v
@@ -113,7 +61,7 @@ def validate(cfg: Config, world: int) -> None:
             f"the per-replica batch {local} (train.global_batch / parallel.dp) is not divisible into "
             f"train.microbatches={t.microbatches}; pick a microbatch count that divides it"
         )
-    if sched in ("interleaved1f1b", "interleavedzb"):
+    if schedule.multi_stage and schedule.placement == "loop":
         rounds = max(1, t.microbatches // pp)
         if t.microbatches % rounds:
             raise ConfigError(f"{sched} needs train.microbatches to be a multiple of {rounds} with pp={pp}")
@@ -123,15 +71,7 @@ def validate(cfg: Config, world: int) -> None:
         explicit_layout(p.layout, cfg, stages, "parallel.layout")
     parse_relayouts(cfg, stages)
     bc = cfg.balance
-    if bc.when not in ("never", "every", "dynamism", "auto"):
-        raise ConfigError(f"unknown balance.when {bc.when!r}; choose never, every, dynamism or auto")
-    if bc.cost not in ("time", "params"):
-        raise ConfigError(f"unknown balance.cost {bc.cost!r}; choose time or params")
-    if bc.balancer not in ("optimal", "deepspeed", "diffusion-contiguous", "uniform"):
-        raise ConfigError(
-            f"balance.balancer {bc.balancer!r} cannot drive a pipeline; choose optimal, deepspeed, "
-            "diffusion-contiguous or uniform (diffusion breaks contiguity)"
-        )
+    check_balance(bc)
     changes = cfg.prune.enabled or cfg.freeze.enabled or cfg.early_exit.enabled or (cfg.skew.factor > 1)
     if bc.when == "dynamism" and not changes:
         raise ConfigError(
@@ -140,20 +80,8 @@ def validate(cfg: Config, world: int) -> None:
         )
     if bc.repack and v != 1:
         raise ConfigError(f"balance.repack needs one stage per rank (schedule gpipe or 1f1b), not {sched}")
-    if bc.repack and bc.when == "never":
-        raise ConfigError("balance.repack = true needs a controller: set balance.when to every, dynamism or auto")
-    if not bc.repack_tolerance >= 0:
-        raise ConfigError(f"balance.repack_tolerance must be >= 0, got {bc.repack_tolerance}")
-    if bc.workers not in ("measure", "equal"):
-        raise ConfigError(f"unknown balance.workers {bc.workers!r}; choose equal or measure")
-    if bc.links not in ("measure", "free"):
-        raise ConfigError(f"unknown balance.links {bc.links!r}; choose measure or free")
-    if bc.speeds and (len(bc.speeds) != pp or min(bc.speeds) <= 0):
+    if bc.speeds and len(bc.speeds) != pp:
         raise ConfigError(f"balance.speeds needs one positive speed per pipeline rank ({pp}), got {bc.speeds}")
-    if bc.memory_gb < 0:
-        raise ConfigError(f"balance.memory_gb must be >= 0 (0 = no cap), got {bc.memory_gb}")
-    if bc.every < 1 or bc.window < 1:
-        raise ConfigError("balance.every and balance.window must be >= 1")
     if m.block == "moe":
         o = m.moe
         if not 1 <= o.top_k <= o.num_experts:

@@ -21,7 +21,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class MoEConfig:
-    """`model.block = "moe"`: Mixtral-style token-choice MoE MLP (dynmo/dynamics/moe.py)."""
+    """`model.block = "moe"`: Mixtral-style token-choice MoE MLP (dynmo/model/moe.py)."""
 
     num_experts: int = 8
     top_k: int = 2
@@ -32,7 +32,7 @@ class MoEConfig:
 
 @dataclass
 class HashAttnConfig:
-    """`model.block = "hashattn"`: hash-based dynamic sparse attention (dynmo/dynamics/hashattn.py)."""
+    """`model.block = "hashattn"`: hash-based dynamic sparse attention (dynmo/model/hashattn.py)."""
 
     n_buckets: int = 4  # LSH buckets per head; 1 = dense causal attention
     chunk: int = 16  # tokens per tile of the sorted sequence: the unit of skipped work; must divide seq_len
@@ -40,7 +40,7 @@ class HashAttnConfig:
 
 @dataclass
 class MoDConfig:
-    """`model.block = "mod"`: Mixture of Depths (dynmo/dynamics/mod.py)."""
+    """`model.block = "mod"`: Mixture of Depths (dynmo/model/mod.py)."""
 
     capacity: float = 0.125  # fraction of each sequence's tokens that go through a block (paper: 12.5%)
     capacities: list[float] = field(default_factory=list)  # per block 0..n_layers-1; empty = `capacity` everywhere
@@ -57,7 +57,7 @@ class ModelConfig:
     n_layers: int = 8  # transformer blocks; the pipeline moves n_layers + 2 layers (E, t..., L)
     mlp_ratio: int = 4
     dropout: float = 0.0  # 0 keeps runs bitwise reproducible across layouts
-    block: str = "dense"  # block variant (dynmo.model.gpt.BLOCKS): dense | moe | hashattn | mod
+    block: str = "dense"  # block variant (dynmo.model.layers.BLOCKS): dense | moe | hashattn | mod
     moe: MoEConfig = field(default_factory=MoEConfig)  # [model.moe]
     hashattn: HashAttnConfig = field(default_factory=HashAttnConfig)  # [model.hashattn]
     mod: MoDConfig = field(default_factory=MoDConfig)  # [model.mod]
@@ -102,9 +102,10 @@ class ParallelConfig:
 
 @dataclass
 class BalanceConfig:
-    """The DynMo controller (dynmo.controller): when and how to rebalance during training."""
+    """The DynMo loop (dynmo.loop, validated by dynmo.loop.check_balance): when and how to
+    rebalance during training. The simulator's replay takes the same section."""
 
-    when: str = "never"  # never | every | auto
+    when: str = "never"  # never | every | dynamism | auto
     every: int = 10  # with when = "every": steps between rebalances
     balancer: str = "optimal"  # optimal | deepspeed | diffusion-contiguous | uniform
     cost: str = "time"  # time (measured per-layer fwd + bwd) | params

@@ -56,9 +56,12 @@ from dataclasses import dataclass, field
 from statistics import median
 
 from dynmo.balance import Problem, balance, repack
+from dynmo.config import BalanceConfig
 from dynmo.layout import Layout
 
-WHEN = ("never", "every", "dynamism", "auto")
+# Migration cost model before the first migration is measured: seconds = fixed + bytes / bandwidth
+MIGRATION_FIXED_S = 0.01  # ~10 ms seen here
+MIGRATION_BANDWIDTH = 1e9  # bytes/s
 
 
 @dataclass
@@ -68,8 +71,6 @@ class Decision:
     current_bottleneck: float  # same, current layout, under the same forecast
     predicted_gain_s: float  # over the horizon
     predicted_cost_s: float  # migration
-    reason: str
-    decide_s: float = 0.0
     released: int = 0  # pipeline positions released by a re-pack (per replica)
 
 
@@ -88,36 +89,33 @@ def retune_microbatches(local_batch: int, microbatches: int, stages: int, new_st
 
 @dataclass
 class Controller:
-    when: str = "never"
-    every: int = 10
-    balancer: str = "optimal"
-    window: int = 3
-    min_gain: float = 0.05
-    horizon: int = 50
+    """The decision core: a forecast of per-layer cost and the triggers above. `cfg` holds the
+    knobs (`[balance]`: when, every, balancer, window, min_gain, horizon, repack,
+    repack_tolerance, memory_gb)."""
+
+    cfg: BalanceConfig = field(default_factory=BalanceConfig)
     microbatches: int = 4
-    repack: bool = False
-    repack_tolerance: float = 0.05
     # What the runtime measured about the workers and the memory (None = not modelled):
     speeds: list[float] | None = None  # per pipeline position, relative (1 = reference)
     transfer: list[float] | None = None  # per stage boundary: seconds to ship one microbatch's activations
     memory: list[float] | None = None  # per layer: bytes it needs on a worker (state + activations in flight)
-    capacity: float | None = None  # bytes per worker
-    # migration cost model: seconds = fixed_s + bytes / bandwidth
-    fixed_s: float = 0.01  # prior until the first migration is measured (~10 ms seen here)
-    bandwidth: float = 1e9
+    capacity: float | None = None  # bytes per worker; default: cfg.memory_gb (0 = no cap)
+    # migration cost model: seconds = fixed_s + bytes / bandwidth, refitted from each migration
+    fixed_s: float = MIGRATION_FIXED_S
+    bandwidth: float = MIGRATION_BANDWIDTH
     history: deque = field(default_factory=deque)
     pending: bool = False  # when = "dynamism": the model changed and no rebalance followed yet
 
     def __post_init__(self) -> None:
-        if self.when not in WHEN:
-            raise ValueError(f"unknown balance.when {self.when!r}; choose one of {', '.join(WHEN)}")
-        if self.window < 1:
+        if self.cfg.window < 1:
             raise ValueError("balance.window must be >= 1")
-        self.history = deque(maxlen=self.window)
+        if self.capacity is None and self.cfg.memory_gb > 0:
+            self.capacity = self.cfg.memory_gb * 2**30
+        self.history = deque(maxlen=self.cfg.window)
 
     def dynamism(self) -> None:
         """The model's work changed this step: costs from before it no longer apply."""
-        if self.when == "dynamism":
+        if self.cfg.when == "dynamism":
             self.history.clear()
             self.pending = True
 
@@ -153,37 +151,37 @@ class Controller:
         )
 
     def decide(self, step: int, current: Layout, layer_bytes: list[int], steps_left: int) -> Decision | None:
-        if self.when == "never":
+        c = self.cfg
+        if c.when == "never":
             return None
-        if self.when == "every" and (step == 0 or step % self.every):
+        if c.when == "every" and (step == 0 or step % c.every):
             return None
-        if self.when == "dynamism":
+        if c.when == "dynamism":
             if not self.pending or not self.history:
                 return None
             self.pending = False
         costs = self.forecast()
-        if costs is None or len(self.history) < self.window and self.when == "auto":
+        if costs is None or len(self.history) < c.window and c.when == "auto":
             return None
-        if self.repack and current.num_stages > 1:
+        if c.repack and current.num_stages > 1:
             d = self._repack(costs, current, layer_bytes, steps_left)
             if d is not None:
                 return d
         problem = self.problem(costs, current.num_stages, current)
-        result = balance(problem, self.balancer)
+        result = balance(problem, c.balancer)
         if result.boundaries is None:
-            raise ValueError(f"balancer {self.balancer!r} gave a non-contiguous layout; pipelines need a contiguous one")
+            raise ValueError(f"balancer {c.balancer!r} gave a non-contiguous layout; pipelines need a contiguous one")
         new = Layout(tuple(result.boundaries))
-        now = max(problem.loads_of_assignment(current.owner()))
-        slots = self.microbatches + current.num_stages - 1
-        gain = (now - result.bottleneck) * slots * max(0, min(self.horizon, steps_left))
-        cost = self.migration_cost(layer_bytes, current, new)
-        decision = Decision(new, result.bottleneck, now, gain, cost, self.when)
         if new == current:
             return None
-        if self.when == "auto" and (now - result.bottleneck < self.min_gain * now or gain <= cost
-                                    or self.per_step_gain(current, new) < self.min_gain):
+        now = max(problem.loads_of_assignment(current.owner()))
+        slots = self.microbatches + current.num_stages - 1
+        gain = (now - result.bottleneck) * slots * max(0, min(c.horizon, steps_left))
+        cost = self.migration_cost(layer_bytes, current, new)
+        if c.when == "auto" and (now - result.bottleneck < c.min_gain * now or gain <= cost
+                                 or self.per_step_gain(current, new) < c.min_gain):
             return None
-        return decision
+        return Decision(new, result.bottleneck, now, gain, cost)
 
     def per_step_gain(self, current: Layout, new: Layout) -> float:
         """Median over the window's observed steps of the relative bottleneck saving of `new`
@@ -199,17 +197,17 @@ class Controller:
     def _repack(self, costs: list[float], current: Layout, layer_bytes: list[int], steps_left: int) -> Decision | None:
         p = current.num_stages
         problem = self.problem(costs, p, current)
-        packed = repack(problem, self.repack_tolerance)
+        packed = repack(problem, self.cfg.repack_tolerance)
         k = len(packed.workers)
         if k >= p:
             return None
-        result = balance(self.problem(costs, k), self.balancer)  # the runtime keeps positions 0..k-1
+        result = balance(self.problem(costs, k), self.cfg.balancer)  # the runtime keeps positions 0..k-1
         best = balance(problem, "optimal").bottleneck
-        if result.bottleneck > best * (1 + self.repack_tolerance) * (1 + 1e-9):
+        if result.bottleneck > best * (1 + self.cfg.repack_tolerance) * (1 + 1e-9):
             return None  # the kept prefix is slower than the workers the re-packer would keep
         new = Layout(tuple(result.boundaries))
         now = max(problem.loads_of_assignment(current.owner()))
         cost = self.migration_cost(layer_bytes, current, new)
         slots_now, slots_new = self.microbatches + p - 1, self.microbatches + k - 1
-        gain = (now * slots_now - result.bottleneck * slots_new) * max(0, min(self.horizon, steps_left))
-        return Decision(new, result.bottleneck, now, gain, cost, f"repack {p}->{k}", released=p - k)
+        gain = (now * slots_now - result.bottleneck * slots_new) * max(0, min(self.cfg.horizon, steps_left))
+        return Decision(new, result.bottleneck, now, gain, cost, released=p - k)

@@ -52,3 +52,13 @@ def run_train(out: Path, *args: str, nproc: int = 2, timeout: int = 300, check: 
 
 def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def param_counts(model: dict) -> list[int]:
+    """Parameters per layer of the model a `[model]` config section (a dict) describes."""
+    from dynmo.config import Config, apply_dict
+    from dynmo.model.layers import layer_param_counts
+
+    cfg = Config()
+    apply_dict(cfg, {"model": model})
+    return layer_param_counts(cfg.model)

@@ -7,7 +7,8 @@ import torch
 
 from dynmo.config import Config, load_config
 from dynmo.data import TokenData, prepare
-from dynmo.model.gpt import build_layer, layer_specs, loss_fn
+from dynmo.model.gpt import loss_fn
+from dynmo.model.layers import build_layer, layer_specs
 from dynmo.runtime import optim
 
 

@@ -7,13 +7,14 @@ import pytest
 from hypothesis import assume, given, settings, strategies as st
 
 from dynmo.balance import Problem, balance
+from dynmo.config import BalanceConfig
 from dynmo.controller import Controller
 from dynmo.layout import Layout
 from tests.conftest import metrics, run_train
 
 
 def test_median_forecast_follows_a_step_change_within_two_steps():
-    c = Controller(when="auto", window=3, horizon=100, fixed_s=0.0)
+    c = Controller(BalanceConfig(when="auto", window=3, horizon=100), fixed_s=0.0)
     lay = Layout((0, 3, 6))
     for _ in range(5):
         c.observe([1.0] * 6)
@@ -33,7 +34,7 @@ def test_auto_ignores_noise(stages, n, noise, seed):
     layout = Layout.uniform(n, stages)
     if n % stages:
         return  # uniform is only balanced when stages divide the layers
-    c = Controller(when="auto", window=3, min_gain=0.05, fixed_s=0.0)
+    c = Controller(BalanceConfig(when="auto", window=3, min_gain=0.05), fixed_s=0.0)
     for step in range(20):
         c.observe([1.0 + rng.uniform(-noise, noise) for _ in range(n)])
         assert c.decide(step, layout, [0] * n, 100) is None
@@ -43,7 +44,7 @@ def test_auto_ignores_a_forecast_gain_no_observed_step_shows():
     """The per-layer median can favour a layout that loses on most of the steps it came from
     (per-step noise, the winner's curse): forecast [2, 3, 2, 1, 1, 1] says (0, 2, 6) cuts the
     bottleneck 7 -> 5, but on the steps themselves it saves -50%, +25%, -14%."""
-    c = Controller(when="auto", window=3, fixed_s=0.0)
+    c = Controller(BalanceConfig(when="auto", window=3), fixed_s=0.0)
     lay = Layout((0, 3, 6))
     for costs in ([1, 1, 2, 1, 2, 1], [2, 3, 3, 1, 1, 1], [2, 3, 1, 3, 1, 3]):
         c.observe([float(x) for x in costs])
@@ -64,7 +65,7 @@ def test_auto_follows_a_clean_step_change_within_two_steps_after_noise(stages, p
     hot = rng.randrange(n)
     clean = [factor if i == hot else 1.0 for i in range(n)]
     assume(balance(Problem(costs=clean, stages=stages), "optimal").bottleneck <= 0.85 * max(layout.stage_loads(clean)))
-    c = Controller(when="auto", window=3, min_gain=0.05, fixed_s=0.0)
+    c = Controller(BalanceConfig(when="auto", window=3, min_gain=0.05), fixed_s=0.0)
 
     def step(changed: bool) -> list[float]:
         return [(factor if changed and i == hot else 1.0) * (1.0 + rng.uniform(-noise, noise)) for i in range(n)]
@@ -82,17 +83,17 @@ def test_auto_follows_a_clean_step_change_within_two_steps_after_noise(stages, p
 def test_auto_waits_when_migration_costs_more_than_it_saves():
     # layout (0,3,4) has loads [4, 1]; (0,2,4) has [3, 2]: saves 1 s x 5 slots x 10 steps = 50 s
     lay = Layout((0, 3, 4))
-    c = Controller(when="auto", window=1, horizon=10, fixed_s=5.0)
+    c = Controller(BalanceConfig(when="auto", window=1, horizon=10), fixed_s=5.0)
     c.observe([1.0, 2.0, 1.0, 1.0])
     d = c.decide(0, lay, [0] * 4, 10)
     assert d is not None and d.layout == Layout((0, 2, 4)) and d.predicted_gain_s == pytest.approx(50.0)
-    c = Controller(when="auto", window=1, horizon=10, fixed_s=100.0)  # a 100 s migration is not worth it
+    c = Controller(BalanceConfig(when="auto", window=1, horizon=10), fixed_s=100.0)  # a 100 s migration is not worth it
     c.observe([1.0, 2.0, 1.0, 1.0])
     assert c.decide(0, lay, [0] * 4, 10) is None
 
 
 def test_every_n_steps():
-    c = Controller(when="every", every=4)
+    c = Controller(BalanceConfig(when="every", every=4))
     c.observe([1.0, 3.0, 1.0, 1.0])
     lay = Layout((0, 3, 4))  # loads [5, 1]; (0, 2, 4) gives [4, 2]
     assert [s for s in range(1, 13) if c.decide(s, lay, [0] * 4, 100)] == [4, 8, 12]
@@ -133,18 +134,18 @@ def test_skewed_model_is_rebalanced_within_two_steps_and_trains_the_same(tmp_pat
 
 def test_slow_worker_and_slow_link_get_less_work():
     # 9 equal layers; worker 1 runs at half speed: k layers on worker 0 vs 2 x (9 - k) -> k = 6
-    c = Controller(when="every", every=1, speeds=[1.0, 0.5])
+    c = Controller(BalanceConfig(when="every", every=1), speeds=[1.0, 0.5])
     c.observe([1.0] * 9)
     assert c.decide(1, Layout((0, 5, 9)), [0] * 9, 100).layout.boundaries == (0, 6, 9)
     # a link costing 2 per microbatch is charged to the sending stage: k + 2 vs 8 - k -> k = 3
-    c = Controller(when="every", every=1, transfer=[2.0])
+    c = Controller(BalanceConfig(when="every", every=1), transfer=[2.0])
     c.observe([1.0] * 8)
     assert c.decide(1, Layout((0, 4, 8)), [0] * 8, 100).layout.boundaries == (0, 3, 8)
 
 
 def test_memory_cap_is_respected():
     # the cheapest split (0, 5, 6) puts 5 layers on worker 0, which can hold only 3
-    c = Controller(when="every", every=1, memory=[1.0] * 6, capacity=3.0)
+    c = Controller(BalanceConfig(when="every", every=1), memory=[1.0] * 6, capacity=3.0)
     c.observe([1.0, 1.0, 1.0, 1.0, 1.0, 5.0])
     assert c.decide(1, Layout((0, 3, 6)), [0] * 6, 100) is None  # (0, 3, 6) is the best that fits
     c.capacity = None
@@ -154,7 +155,7 @@ def test_memory_cap_is_respected():
 def test_repack_decision_and_microbatch_retuning():
     from dynmo.controller import retune_microbatches
 
-    c = Controller(when="every", every=1, repack=True, repack_tolerance=0.1)
+    c = Controller(BalanceConfig(when="every", every=1, repack=True, repack_tolerance=0.1))
     c.observe([4.0, 1.0, 1.0, 1.0, 1.0])  # layer 0 bounds any layout: 2 workers do what 4 do
     d = c.decide(1, Layout((0, 1, 2, 3, 5)), [0] * 5, 100)
     assert d.released == 2 and d.layout.boundaries == (0, 1, 5) and d.predicted_bottleneck == 4.0

@@ -10,8 +10,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from dynmo.config import ConfigError, EarlyExitConfig, ModelConfig, load_config
-from dynmo.dynamics.earlyexit import ExitRouter, active_forward, check_options
-from dynmo.model.gpt import LayerSpec, build_layer
+from dynmo.dynamics.earlyexit import check_options, install_gate
+from dynmo.model.layers import LayerSpec, build_layer
 from tests.conftest import metrics, run_train
 
 B, T, D = 3, 16, 32
@@ -27,24 +27,25 @@ def test_active_tokens_get_the_dense_output_and_exited_tokens_pass_bitwise():
     b, x = block(), torch.randn(B, T, D)
     mask = torch.rand(B, T) > 0.4
     mask[2] = False  # a sequence with no active token
-    out, rows = active_forward(b, x, mask)
+    out, rows = b.active_forward(x, mask)
     assert rows == int(mask.sum(1).max())
     assert torch.equal(out[~mask], x[~mask])
     torch.testing.assert_close(out[mask], b.dense_forward(x, mask)[0][mask], rtol=1e-5, atol=1e-6)
 
 
-def test_router_is_the_dense_block_while_all_tokens_are_active_and_exits_confident_tokens():
+def test_gated_block_is_the_dense_block_while_all_tokens_are_active_and_exits_confident_tokens():
     torch.manual_seed(1)
     b, x = block(), torch.randn(B, T, D)
     full = torch.ones(B, T, dtype=torch.bool)
-    b.token_router = ExitRouter(EarlyExitConfig(threshold=0.5), can_exit=False)
+    g = install_gate(b, EarlyExitConfig(threshold=0.5), can_exit=False)
     out, m = b(x, full)
     assert torch.equal(out, b.dense_forward(x, full)[0]) and m.all()
+    g.remove()
     b.exit_head = torch.nn.Linear(D, 1)
     with torch.no_grad():
         b.exit_head.weight.zero_()
         b.exit_head.bias.fill_(10.0)  # every token is confident
-    b.token_router = r = ExitRouter(EarlyExitConfig(threshold=0.5, aux_loss_coef=1.0), can_exit=True)
+    r = install_gate(b, EarlyExitConfig(threshold=0.5, aux_loss_coef=1.0), can_exit=True)
     _, m = b(x, full)
     assert m.all()  # not exiting yet (before start_step), but the classifier trains:
     r.exiting = True
@@ -58,12 +59,12 @@ def test_router_is_the_dense_block_while_all_tokens_are_active_and_exits_confide
 
 def test_compute_falls_with_the_active_fraction():
     b, x = block(), torch.randn(B, T, D)
+    install_gate(b, EarlyExitConfig(), can_exit=False)
     flops = []
     for frac in (1.0, 0.5, 0.25):
         mask = torch.zeros(B, T, dtype=torch.bool)
         mask[:, : int(frac * T)] = True
         with FlopCounterMode(display=False) as fc:
-            b.token_router = ExitRouter(EarlyExitConfig(), can_exit=False)
             b(x.clone().requires_grad_(True), mask)[0].sum().backward()
         flops.append(fc.get_total_flops())
     assert flops[0] > flops[1] > flops[2]

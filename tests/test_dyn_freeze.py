@@ -10,7 +10,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from dynmo.config import ConfigError, FreezeConfig, ModelConfig
 from dynmo.dynamics.freeze import check_options, plasticity
-from dynmo.model.gpt import LayerSpec, build_layer
+from dynmo.model.layers import LayerSpec, build_layer
 from tests.conftest import metrics, run_train
 
 
@@ -28,12 +28,12 @@ def test_plasticity_is_zero_for_an_unchanged_block_and_grows_with_the_change():
         moved.append(plasticity(block, ref, x, mask))
     assert 0 < moved[0] < moved[1]
     from dynmo.config import EarlyExitConfig
-    from dynmo.dynamics.earlyexit import ExitRouter
+    from dynmo.dynamics.earlyexit import install_gate
 
-    block.token_router = ExitRouter(EarlyExitConfig(), can_exit=False)
+    gate = install_gate(block, EarlyExitConfig(), can_exit=False)
     block(x, mask)
     plasticity(block, ref, x, mask)  # the probe forwards are not counted as training work
-    assert block.token_router.summary()["active_tokens"] == 2 * 8
+    assert gate.summary()["active_tokens"] == 2 * 8
     with pytest.raises(ConfigError, match="max_frozen"):
         check_options(FreezeConfig(max_frozen=9), 4)
 

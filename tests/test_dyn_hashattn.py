@@ -11,8 +11,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from dynmo.config import ModelConfig
-from dynmo.dynamics.hashattn import HashAttnBlock, HashAttnOptions, HashSparseAttention
-from dynmo.model.gpt import BLOCKS, Block, CausalSelfAttention, LayerSpec, build_layer
+from dynmo.model.hashattn import HashAttnBlock, HashAttnOptions, HashSparseAttention
+from dynmo.model.gpt import Block, CausalSelfAttention
+from dynmo.model.layers import BLOCKS, LayerSpec, build_layer
 from tests.toy import train_block
 
 B, T, D, H = 2, 32, 32, 2

@@ -10,8 +10,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from dynmo.config import ModelConfig
-from dynmo.dynamics.mod import MoDBlock, MoDOptions
-from dynmo.model.gpt import BLOCKS, Block, LayerSpec, build_layer
+from dynmo.model.mod import MoDBlock, MoDOptions
+from dynmo.model.gpt import Block
+from dynmo.model.layers import BLOCKS, LayerSpec, build_layer
 from tests.toy import train_block
 
 B, T, D = 3, 16, 32

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from dynmo.config import ModelConfig
-from dynmo.dynamics import attach_aux_loss
-from dynmo.dynamics.moe import MoEBlock, MoEOptions
-from dynmo.model.gpt import BLOCKS, LayerSpec, build_layer
+from dynmo.model.aux_loss import attach_aux_loss
+from dynmo.model.moe import MoEBlock, MoEOptions
+from dynmo.model.layers import BLOCKS, LayerSpec, build_layer
 
 B, T, D = 3, 16, 32
 

@@ -12,8 +12,10 @@ import torch.nn.utils.prune as tprune
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from dynmo.config import ConfigError, ModelConfig, PruneConfig
-from dynmo.dynamics.prune import PRUNABLE, Pattern, _CSRLinear, check_options, global_keep, sparsity_at
-from dynmo.model.gpt import LayerSpec, build_layer
+from dynmo.dynamics.prune import PRUNABLE, check_options, sparsity_at
+from dynmo.dynamics.topk import global_keep
+from dynmo.model.layers import LayerSpec, build_layer
+from dynmo.model.sparse import Pattern, _CSRLinear
 from tests.conftest import metrics, run_train
 
 

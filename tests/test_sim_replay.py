@@ -12,8 +12,9 @@ from dynmo.cli import main as dynmo_main
 from dynmo.layout import Layout
 from dynmo.sim import simulate, stage_times
 from dynmo.sim.engine import SimInputError
-from dynmo.sim.replay import DEFAULT_POLICIES, ReplayOptions, default_policies, parse_policy, replay
-from dynmo.sim.trace import Trace, TraceHeader, TraceStep, TraceWriter, param_counts
+from dynmo.sim.replay import DEFAULT_POLICIES, ReplayOptions, default_policies, parse_policy, replay, replay_balance
+from dynmo.sim.trace import Trace, TraceHeader, TraceStep, TraceWriter
+from tests.conftest import param_counts
 
 FREE = dict(migration_bandwidth=float("inf"), migration_fixed_s=0.0, charge_decide=False)
 
@@ -81,7 +82,7 @@ def test_dynamic_optimal_with_free_migration_reaches_the_oracle(when):
     rng = np.random.default_rng(3)
     costs = np.tile(rng.uniform(0.2, 3.0, 14), (6, 1)) * 0.01
     t = make_trace(costs)
-    opts = ReplayOptions(when=when, every=1, window=1, min_gain=0.0, **FREE)
+    opts = ReplayOptions(balance=replay_balance(when=when, every=1, window=1, min_gain=0.0), **FREE)
     dyn, orc = replay(t, 4, 1, ["optimal", "oracle"], opts)
     assert dyn.iteration_s[1:] == pytest.approx(orc.iteration_s[1:], rel=1e-12)
     assert dyn.bottleneck_s[1:] == pytest.approx(orc.bottleneck_s[1:], rel=1e-12)
@@ -92,7 +93,8 @@ def test_migration_cost_is_charged_as_the_controller_models_it():
     costs = np.ones((6, 10)) * 0.01
     costs[2:, 1:4] *= 4  # a skew from step 2 on, announced as dynamism
     t = make_trace(costs, dynamism=(2,))
-    opts = ReplayOptions(when="dynamism", migration_bandwidth=1e6, migration_fixed_s=0.5, charge_decide=False)
+    opts = ReplayOptions(balance=replay_balance(when="dynamism"), migration_bandwidth=1e6, migration_fixed_s=0.5,
+                         charge_decide=False)
     (r,) = replay(t, 2, 1, ["optimal"], opts)
     assert r.migrations == 1  # decided before step 3 from step 2's costs
     assert r.layouts[2] == [0, 5, 10] and r.layouts[3] != [0, 5, 10]
@@ -108,7 +110,7 @@ def test_repack_releases_workers_when_the_work_shrinks():
     costs[3:, 2:] *= 0.05
     costs[3:, 1] *= 3
     t = make_trace(costs, dynamism=(3,))
-    opts = ReplayOptions(when="dynamism", repack_tolerance=0.05, **FREE)
+    opts = ReplayOptions(balance=replay_balance(when="dynamism", repack_tolerance=0.05), **FREE)
     plain, packed = replay(t, 4, 2, ["optimal", "optimal+repack"], opts)
     assert plain.workers == [8] * 8
     assert packed.workers[:4] == [8] * 4 and packed.workers[-1] < 8
@@ -166,7 +168,7 @@ def test_retuned_microbatches_after_a_repack():
     costs[3:, 0] *= 0.05
     costs[3:, 1] *= 3  # from step 3 one layer dominates: 2 stages do as well as 4
     t = make_trace(costs, dynamism=(3,), microbatches=8)
-    opts = ReplayOptions(when="dynamism", retune_microbatches=True, **FREE)
+    opts = ReplayOptions(balance=replay_balance(when="dynamism", retune_microbatches=True), **FREE)
     (r,) = replay(t, 4, 1, ["optimal+repack"], opts)
     assert r.microbatches[0] == 8 and r.workers[-1] == 2
     assert r.microbatches[-1] < 8  # fewer, larger microbatches for the shorter pipeline

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from dynmo.record import StepRecord
 from dynmo.sim.trace import (
     BYTES_PER_PARAM, Trace, TraceError, TraceHeader, TraceStep, TraceWriter, block_map, load_trace,
-    param_counts, scale_trace, trace_from_metrics,
+    scale_trace, trace_from_metrics,
 )
-from tests.conftest import metrics, run_train
+from tests.conftest import metrics, param_counts, run_train
 
 CFG = {
     "model": {"n_layers": 3, "d_model": 64, "seq_len": 32, "vocab_size": 512, "block": "moe",
@@ -25,7 +25,7 @@ CFG = {
 
 
 def _record(step: int, n: int, rng) -> dict:
-    """A metrics record as Trainer._record builds it (the fields the trace keeps and some it drops)."""
+    """A metrics.jsonl line as the runtime writes it (the fields the trace keeps and some it drops)."""
     return {
         "step": step, "loss": 5.0, "tokens_per_s": 1e3, "step_s": 0.2, "iteration_s": 0.15,
         "layout": [0, 2, n], "layout_str": "E t | t t L", "stage_compute_s": [0.1, 0.1],
@@ -48,7 +48,7 @@ def test_writer_round_trip(tmp_path):
     recs = [_record(k, 5, rng) for k in range(3)]
     with TraceWriter(tmp_path / "t.jsonl", header) as w:
         for r in recs:
-            w.write_step(r)
+            w.write_step(StepRecord.from_json(r))
     t = load_trace(tmp_path / "t.jsonl")
     assert t.header == header
     assert len(t.steps) == 3 and t.dynamism_steps() == [1]
@@ -73,21 +73,12 @@ def test_bad_traces_say_what_is_wrong(tmp_path):
     with pytest.raises(TraceError, match="4 values for 5 layers"):
         w.write_trace_step(TraceStep(0, [0.1] * 4, [0.1] * 4))
     with pytest.raises(TraceError, match="lacks"):
-        w.write_step({"step": 0, "layout": [0, 5]})
+        w.write_step(StepRecord(step=0, layout=[0, 5]))
     w.close()
     with pytest.raises(TraceError, match="no steps"):
         load_trace(p)
     with pytest.raises(TraceError, match="not a run folder"):
         trace_from_metrics(tmp_path)
-
-
-@pytest.mark.parametrize("block", ["dense", "moe", "mod", "hashattn"])
-def test_param_counts_match_the_model(block):
-    from dynmo.config import ModelConfig
-    from dynmo.model.gpt import layer_param_counts
-
-    cfg = ModelConfig(block=block, n_layers=3, d_model=64, n_heads=2, vocab_size=300, seq_len=40, mlp_ratio=3)
-    assert param_counts(dataclasses.asdict(cfg)) == layer_param_counts(cfg)
 
 
 def test_trace_from_a_real_run(tmp_path):
@@ -107,6 +98,7 @@ def test_trace_from_a_real_run(tmp_path):
     assert (t.header.pp, t.header.dp, t.header.microbatches) == (2, 1, 4)
     assert t.header.kinds == ["E", "t", "t", "t", "t", "L"]
     assert t.header.tokens_per_microbatch == 8 // 4 * 32
+    assert t.header.params == param_counts({"n_layers": 4, "d_model": 64, "n_heads": 2, "seq_len": 32, "vocab_size": 512})
     assert len(t.steps) == 4 and t.dynamism_steps() == [2]
     for s, r in zip(t.steps, recs):
         assert s.fwd == r["layer_fwd_s"] and s.bwd == r["layer_bwd_s"] and s.layout == r["layout"]

@@ -1,8 +1,8 @@
-"""The plug-in interface for dynamic-model cases (pruning, freezing, early exit, MoE, ...).
+"""The plug-in interface for dynamic-model cases (pruning, freezing, early exit, the skew, ...).
 
-A case is a class registered with `@register_case("name")`. The trainer builds one instance
-per rank, for every registered case whose `enabled(cfg)` is true, and calls it at fixed
-points of each step on every rank:
+A case is a subclass of `Case` listed in `dynmo.dynamics.registry.CASES`. The trainer builds one
+instance per rank, for every listed case whose `enabled(cfg)` is true, hands it a `Host` (the
+narrow view of the run a case may use) and calls it at fixed points of each step on every rank:
 
     before_step(step)          may change the model or its control flow (prune, freeze, let
                                tokens exit, ...). Runs after the step's re-layout, so it sees
@@ -19,41 +19,92 @@ points of each step on every rank:
                                (e.g. re-freeze blocks, so no optimizer state is expected for
                                them), then `after_load(step)` runs *after* (e.g. rebuild masks
                                from the loaded weights).
+    prepare_layer(i, layer)    a layer this rank has just built because it arrived by
+                               migration, *before* its weights load: apply the case's
+                               structural changes (e.g. add an exit classifier) so the
+                               arriving weights fit.
     pack_layer(i, layer)       extra per-layer state that must travel with layer i when it
                                migrates to another rank: {key: tensor} (masks, references);
-    unpack_layer(i, layer, t)  restores it on the receiving rank after the layer is rebuilt.
+    unpack_layer(i, layer, t)  restores it on the receiving rank after the weights loaded.
 
 An event whose "type" is "dynamism" says the model's work changed at this step (e.g. a pruning
 step, a block frozen); `balance.when = "dynamism"` rebalances after such steps, as the paper's
 Algorithm 1 does. Other events are only logged.
 
-Cases reach the run through `self.trainer`: `trainer.pipe.layers` ({layer index: module} on
-this rank), `trainer.pipe.specs`, `trainer.pipe.optimizer`, `trainer.ctx` (ranks and process
-groups), `trainer.cfg`. A case that needs a collective must call it on every rank of the
-groups it uses, in the same order (all cases run on all ranks in registry order).
+A case that needs a collective must call it on every rank of the groups it uses, in the same
+order (all cases run on all ranks in the order of `dynmo.dynamics.registry.CASES`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn as nn
 
-if TYPE_CHECKING:  # the runtime imports the cases, not the other way round
+if TYPE_CHECKING:
     from dynmo.config import Config
-    from dynmo.train import Trainer
-
-CASES: dict[str, type["Case"]] = {}
 
 
-def register_case(name: str) -> Callable[[type["Case"]], type["Case"]]:
-    def deco(cls: type[Case]) -> type[Case]:
-        cls.name = name
-        CASES[name] = cls
-        return cls
+class Host(Protocol):
+    """What a case may use of the run on its rank. It reads the pipeline as it is now, so it
+    stays valid across migrations and re-packs."""
 
-    return deco
+    cfg: "Config"  # the run's configuration (read it, never change it)
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def microbatch(self) -> int:
+        """Sequences per microbatch."""
+
+    @property
+    def num_layers(self) -> int:
+        """Layers of the whole model (embedding, blocks, head)."""
+
+    @property
+    def num_blocks(self) -> int:
+        """Transformer blocks of the whole model."""
+
+    def layers(self) -> dict[int, nn.Module]:
+        """This rank's layers by global layer index."""
+
+    def blocks(self) -> dict[int, nn.Module]:
+        """This rank's transformer blocks by global layer index, in layer order."""
+
+    def is_block(self, index: int) -> bool:
+        """Whether global layer `index` is a transformer block."""
+
+    def block_number(self, index: int) -> int:
+        """0-based block number of global layer `index` (a block)."""
+
+    # process groups (None where a group would have one rank)
+    @property
+    def model_group(self) -> Any:
+        """The pipeline ranks of this replica: a sum over it sees every layer once."""
+
+    @property
+    def replica_group(self) -> Any:
+        """The data-parallel peers that hold the same layers as this rank."""
+
+    @property
+    def replicas(self) -> int:
+        """Data-parallel replicas."""
+
+    @property
+    def active_group(self) -> Any:
+        """Every rank still training (all replicas)."""
+
+    # the optimizer: a case that replaces, narrows or freezes parameters rebuilds it
+    def optimizer_state(self, param: torch.Tensor) -> dict:
+        """The AdamW state of a local parameter ({} before its first step)."""
+
+    def optimizer_states(self) -> dict[int, dict]:
+        """{local layer index: its AdamW state by parameter name}."""
+
+    def rebuild_optimizer(self, states: dict[int, dict]) -> None:
+        """A new optimizer over the local layers as they are now, carrying `states`."""
 
 
 class Case:
@@ -63,8 +114,8 @@ class Case:
     def enabled(cls, cfg: "Config") -> bool:
         return False
 
-    def __init__(self, trainer: "Trainer"):
-        self.trainer = trainer
+    def __init__(self, host: Host):
+        self.host = host
 
     def before_step(self, step: int) -> list[dict]:
         return []
@@ -84,60 +135,11 @@ class Case:
     def after_load(self, step: int) -> None:
         pass
 
+    def prepare_layer(self, index: int, layer: nn.Module) -> None:
+        pass
+
     def pack_layer(self, index: int, layer: nn.Module) -> dict[str, torch.Tensor]:
         return {}
 
     def unpack_layer(self, index: int, layer: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
         pass
-
-
-@register_case("block-stats")
-class BlockStats(Case):
-    """Per-layer statistics of the dynamic blocks (MoE, hash attention, MoD).
-
-    Each such block accumulates its own statistics over the step's forwards and exposes them
-    as `block.last_stats` (see `dynmo.dynamics.StepStats`); this case hands them to the
-    metrics as `<block>_<stat>` (e.g. `moe_tokens_per_expert`) and clears them every step.
-    """
-
-    @classmethod
-    def enabled(cls, cfg: "Config") -> bool:
-        return cfg.model.block != "dense"
-
-    def before_step(self, step: int) -> list[dict]:
-        for layer in self.trainer.pipe.layers.values():
-            if hasattr(layer, "reset_stats"):
-                layer.reset_stats()
-        return []
-
-    def layer_stats(self) -> dict[str, dict[int, Any]]:
-        prefix = self.trainer.cfg.model.block
-        out: dict[str, dict[int, Any]] = {}
-        for i, layer in self.trainer.pipe.layers.items():
-            for key, value in (getattr(layer, "last_stats", None) or {}).items():
-                if isinstance(value, (int, float, list)):
-                    out.setdefault(f"{prefix}_{key}", {})[i] = value
-        return out
-
-
-def merge_layer_stats(parts: list[dict[str, dict[int, Any]]], num_layers: int) -> dict[str, list]:
-    """Merge every rank's `layer_stats()` into one list per metric, replicas averaged."""
-    sums: dict[str, dict[int, Any]] = {}
-    counts: dict[str, dict[int, int]] = {}
-    for part in parts:
-        for key, per_layer in part.items():
-            for i, v in per_layer.items():
-                s = sums.setdefault(key, {})
-                if i in s:
-                    s[i] = [a + b for a, b in zip(s[i], v)] if isinstance(v, list) else s[i] + v
-                else:
-                    s[i] = list(v) if isinstance(v, list) else v
-                counts.setdefault(key, {})[i] = counts.get(key, {}).get(i, 0) + 1
-    out: dict[str, list] = {}
-    for key, s in sums.items():
-        row: list = [None] * num_layers
-        for i, v in s.items():
-            n = counts[key][i]
-            row[i] = [a / n for a in v] if isinstance(v, list) else v / n
-        out[key] = row
-    return out

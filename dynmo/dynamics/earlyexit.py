@@ -16,17 +16,17 @@ the active tokens is carried into the backward pass by `attach_aux_loss` (coeffi
 `early_exit.aux_loss_coef`); the detached input keeps it from changing the model itself. The
 classifier trains from step 0; tokens exit from `early_exit.start_step` on.
 
-Compute only on active tokens (`ExitRouter`, installed as `block.token_router`): per sequence,
-the active positions are gathered (padded to the most active sequence of the microbatch;
-padding rows are exited tokens, whose result is discarded), and the block runs its query
-projection, attention, output projection and MLP on those rows only. Exited tokens still serve
-as keys and values, with their frozen hidden state (CALM's state propagation): the block
-projects K and V for every token, about 1/6 of a block's matmul work, and active tokens attend
-causally to all earlier positions. So an active token's output is exactly what the dense block
-would give it. When every token is active, the router runs the dense block unchanged.
+Compute only on active tokens: the case turns on `skip_inactive` in every block
+(`dynmo.model.gpt.Block`), which then computes the active tokens only, with exited tokens still
+serving as keys and values with their frozen hidden state (CALM's state propagation), so an
+active token's output is exactly what the dense block would give it. The exit decision is an
+`ExitGate`, a forward hook on the block that runs the classifier on the block's output and
+updates the mask. The classifier is a submodule of the block (`block.exit_head`), so it trains,
+migrates and is checkpointed with it; a block that arrives by migration gets an empty one
+before its weights load (`prepare_layer`).
 
 Shapes crossing stage boundaries stay fixed: the hidden state keeps [batch, seq, d_model] and
-the bool mask of active tokens travels with it (dynmo.model.gpt: "pad, do not compact").
+the bool mask of active tokens travels with it.
 
 Per-layer metrics (summed over the step's microbatch forwards): exit_active_tokens (tokens the
 block computed on), exit_rows (rows it computed, incl. padding), exit_tokens (tokens that
@@ -43,8 +43,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dynmo.config import ConfigError, EarlyExitConfig
-from dynmo.dynamics import StepStats, attach_aux_loss
-from dynmo.dynamics.case import Case, register_case
+from dynmo.dynamics.case import Case
+from dynmo.model.aux_loss import attach_aux_loss
+from dynmo.model.stats import StepStats
 
 
 def check_options(e: EarlyExitConfig, cfg) -> None:
@@ -64,65 +65,29 @@ def check_options(e: EarlyExitConfig, cfg) -> None:
         )
 
 
-def active_forward(block: nn.Module, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """`block` on the active tokens only; inactive tokens pass bit for bit and serve as keys/values.
-
-    Returns the new hidden state and the number of rows computed per sequence.
-    """
-    B, T, D = x.shape
-    A = int(mask.sum(1).max())
-    if A == 0:  # every token has exited: nothing to compute (a copy, never an alias of the input)
-        return x.clone(), 0
-    pos = torch.arange(T, device=x.device)
-    # active positions first (in position order), then inactive ones as padding: distinct
-    # positions, so the scatter below writes every position at most once
-    idx = (pos + T * (~mask)).argsort(dim=1)[:, :A]
-    valid = mask.gather(1, idx)
-    g = idx.unsqueeze(-1).expand(-1, -1, D)
-    attn = block.attn
-    H = attn.n_heads
-    h = block.ln1(x)
-    w, b = attn.qkv.weight, attn.qkv.bias
-    kv = F.linear(h, w[D:], None if b is None else b[D:])  # keys/values of every token
-    q = F.linear(h.gather(1, g), w[:D], None if b is None else b[:D])  # queries of the active ones
-    k, v = kv.split(D, dim=2)
-    q = q.view(B, A, H, D // H).transpose(1, 2)
-    k, v = (t.view(B, T, H, D // H).transpose(1, 2) for t in (k, v))
-    causal = (pos.view(1, 1, T) <= idx.unsqueeze(-1)).unsqueeze(1)  # [B, 1, A, T]
-    y = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=causal, dropout_p=attn.dropout if block.training else 0.0
-    )
-    sel = x.gather(1, g)
-    s = sel + attn.proj(y.transpose(1, 2).contiguous().view(B, A, D))
-    hm = block.ln2(s)
-    m = block.mlp(hm)
-    for _ in range(block.extra_mlp_passes):
-        m = m + 0.0 * block.mlp(hm)
-    new = torch.where(valid.unsqueeze(-1), s + m, sel)
-    return x.scatter(1, g, new), A
-
-
-class ExitRouter:
-    """`block.token_router`: compute active tokens only, then (exit blocks) let confident ones exit."""
+class ExitGate:
+    """Forward hook of a block: counts the tokens and rows the block computed and, on blocks
+    from `first_block` on (`can_exit`), lets confident active tokens exit after it (see the
+    module docstring). `exiting` is set per step by the case (start_step)."""
 
     def __init__(self, opts: EarlyExitConfig, can_exit: bool):
         self.opts = opts
         self.can_exit = can_exit
-        self.exiting = False  # set per step by the case (start_step)
+        self.exiting = False
+        self.handle = None
         self.reset_stats()
 
     def reset_stats(self) -> None:
         self.stats = StepStats()
 
-    def __call__(self, block: nn.Module, x: torch.Tensor, mask: torch.Tensor):
+    def __call__(self, block: nn.Module, args: tuple, output: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        x, mask = args
+        out, _ = output
         B, T, D = x.shape
         n_active = int(mask.sum())
-        if n_active == B * T:
-            out, rows = block.dense_forward(x, mask)[0], T
-        else:
-            out, rows = active_forward(block, x, mask)
+        rows = B * int(mask.sum(1).max())  # rows the block computed, padding included
         exited, conf_sum = 0, 0.0
-        if self.can_exit and block.exit_head is not None and n_active:
+        if self.can_exit and n_active:
             active_in = mask
             logit = block.exit_head(F.layer_norm(out.detach(), (D,))).squeeze(-1)  # [B, T]
             with torch.no_grad():
@@ -136,8 +101,13 @@ class ExitRouter:
             bce = F.binary_cross_entropy_with_logits(logit, label, reduction="none")
             aux = bce.masked_select(active_in).mean()  # tokens that were active at this block
             out = attach_aux_loss(out, aux, self.opts.aux_loss_coef)
-        self.stats.add(active_tokens=n_active, rows=B * rows, exited=exited, conf_sum=conf_sum)
+        self.stats.add(active_tokens=n_active, rows=rows, exited=exited, conf_sum=conf_sum)
         return out, mask
+
+    def remove(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
 
     def summary(self) -> dict[str, float]:
         s = self.stats.sums
@@ -151,43 +121,51 @@ class ExitRouter:
         return out
 
 
-@register_case("early-exit")
+def install_gate(block: nn.Module, opts: EarlyExitConfig, can_exit: bool) -> ExitGate:
+    """Make `block` compute active tokens only and decide exits after it (`can_exit` needs
+    `block.exit_head`)."""
+    block.skip_inactive = True
+    gate = ExitGate(opts, can_exit)
+    gate.handle = block.register_forward_hook(gate)
+    return gate
+
+
 class EarlyExit(Case):
+    name = "early-exit"
+
     @classmethod
     def enabled(cls, cfg) -> bool:
         return cfg.early_exit.enabled
 
-    def __init__(self, trainer):
-        super().__init__(trainer)
-        self.opts: EarlyExitConfig = trainer.cfg.early_exit
-        check_options(self.opts, trainer.cfg)
-        pipe = trainer.pipe
-        states = pipe.optimizer_states()
-        for i, layer in self._blocks().items():
-            self._install(i, layer, new_head=True)
-        # the optimizer was built before the exit classifiers existed
-        pipe.rebuild_optimizer(states)
+    def __init__(self, host):
+        super().__init__(host)
+        self.opts: EarlyExitConfig = host.cfg.early_exit
+        check_options(self.opts, host.cfg)
+        self.gates: dict[int, ExitGate] = {}
+        states = host.optimizer_states()
+        for i, block in host.blocks().items():
+            if self._can_exit(i):
+                block.exit_head = self._new_head(i)
+            self.gates[i] = install_gate(block, self.opts, self._can_exit(i))
+        host.rebuild_optimizer(states)  # the optimizer was built before the exit classifiers existed
 
-    def _blocks(self) -> dict[int, nn.Module]:
-        pipe = self.trainer.pipe
-        return {i: pipe.layers[i] for i in sorted(pipe.layers) if pipe.specs[i].kind == "t"}
+    def _can_exit(self, i: int) -> bool:
+        return self.host.block_number(i) >= self.opts.first_block
 
-    def _install(self, i: int, layer: nn.Module, new_head: bool) -> None:
-        can_exit = self.trainer.pipe.specs[i].index - 1 >= self.opts.first_block
-        if can_exit and new_head and layer.exit_head is None:
-            d = self.trainer.cfg.model.d_model
-            with torch.random.fork_rng(devices=[]):  # same weights wherever the block lives
-                torch.manual_seed(self.trainer.cfg.train.seed * 1_000_003 + 7919 * (i + 1))
-                head = nn.Linear(d, 1, device=self.trainer.ctx.device)
-                nn.init.normal_(head.weight, 0.0, 0.02)
-                nn.init.zeros_(head.bias)
-            layer.exit_head = head
-        layer.token_router = ExitRouter(self.opts, can_exit)
+    def _new_head(self, i: int) -> nn.Module:
+        """The exit classifier of layer i: the same initial weights wherever the block lives."""
+        d, seed = self.host.cfg.model.d_model, self.host.cfg.train.seed
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed * 1_000_003 + 7919 * (i + 1))
+            head = nn.Linear(d, 1, device=self.host.device)
+            nn.init.normal_(head.weight, 0.0, 0.02)
+            nn.init.zeros_(head.bias)
+        return head
 
     def before_step(self, step: int) -> list[dict]:
-        for layer in self._blocks().values():
-            layer.token_router.exiting = step >= self.opts.start_step
-            layer.token_router.reset_stats()
+        for gate in self.gates.values():
+            gate.exiting = step >= self.opts.start_step
+            gate.reset_stats()
         if step == self.opts.start_step:
             return [{"type": "dynamism", "step": step, "first_block": self.opts.first_block,
                      "threshold": self.opts.threshold}]
@@ -195,11 +173,23 @@ class EarlyExit(Case):
 
     def layer_stats(self) -> dict[str, dict[int, Any]]:
         out: dict[str, dict[int, Any]] = {}
-        for i, layer in self._blocks().items():
-            for k, v in layer.token_router.summary().items():
+        for i in self.host.blocks():
+            for k, v in self.gates[i].summary().items():
                 out.setdefault(f"exit_{k}", {})[i] = v
         return out
 
-    def unpack_layer(self, index: int, layer: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-        if self.trainer.pipe.specs[index].kind == "t":
-            self._install(index, layer, new_head=False)  # the classifier came with the weights
+    # ---- migration: the classifier travels in the block's weights, the gate is rebuilt ----
+    def pack_layer(self, index: int, layer: nn.Module) -> dict[str, torch.Tensor]:
+        gate = self.gates.pop(index, None)
+        if gate is not None:
+            gate.remove()
+        return {}
+
+    def prepare_layer(self, index: int, layer: nn.Module) -> None:
+        if not self.host.is_block(index):
+            return
+        if self._can_exit(index):
+            with torch.device("meta"):  # storage only: the arriving weights fill it
+                head = nn.Linear(self.host.cfg.model.d_model, 1)
+            layer.exit_head = head.to_empty(device=self.host.device)
+        self.gates[index] = install_gate(layer, self.opts, self._can_exit(index))

@@ -48,7 +48,8 @@ import torch.nn as nn
 from torch.func import functional_call
 
 from dynmo.config import ConfigError, FreezeConfig
-from dynmo.dynamics.case import Case, register_case
+from dynmo.dynamics.case import Case
+from dynmo.model import stats
 
 
 def check_options(f: FreezeConfig, n_blocks: int) -> None:
@@ -65,23 +66,9 @@ def check_options(f: FreezeConfig, n_blocks: int) -> None:
 @torch.no_grad()
 def plasticity(block: nn.Module, ref: dict[str, torch.Tensor], x: torch.Tensor, mask: torch.Tensor) -> float:
     """||f_now(x) - f_ref(x)|| / ||f_now(x) - x||: how much the block's function moved since `ref`."""
-    # The probe forwards are not training work: keep them out of the block's own statistics
-    # (early-exit router, MoE/MoD step stats).
-    router = getattr(block, "token_router", None)
-    saved = {k: getattr(block, k) for k in ("_stats", "last_stats") if hasattr(block, k)}
-    saved_router = router.stats if router is not None else None
-    try:
-        if "_stats" in saved:  # the stats objects are updated in place: give the probe fresh ones
-            block._stats = type(saved["_stats"])()
-        if router is not None:
-            router.stats = type(saved_router)()
+    with stats.paused():  # probe forwards are not training work: leave the layers' statistics alone
         now = block(x, mask)[0]
         old = functional_call(block, ref, (x, mask), strict=True)[0]
-    finally:
-        for k, v in saved.items():
-            setattr(block, k, v)
-        if router is not None:
-            router.stats = saved_router
     return float((now - old).norm() / (now - x).norm().clamp_min(1e-12))
 
 
@@ -91,19 +78,20 @@ def freeze_layer(layer: nn.Module) -> None:
         p.grad = None
 
 
-@register_case("freeze")
 class Freeze(Case):
+    name = "freeze"
+
     @classmethod
     def enabled(cls, cfg) -> bool:
         return cfg.freeze.enabled
 
-    def __init__(self, trainer):
-        super().__init__(trainer)
-        self.opts: FreezeConfig = trainer.cfg.freeze
-        n_blocks = trainer.cfg.model.n_layers
+    def __init__(self, host):
+        super().__init__(host)
+        self.opts: FreezeConfig = host.cfg.freeze
+        n_blocks = host.num_blocks
         check_options(self.opts, n_blocks)
         self.max_frozen = n_blocks - 1 if self.opts.max_frozen < 0 else self.opts.max_frozen
-        n = len(trainer.pipe.specs)
+        n = host.num_layers
         self.frozen = [False] * n  # by global layer index; identical on every rank
         self.progress: list[float | None] = [None] * n
         self.refs: dict[int, dict[str, torch.Tensor]] = {}  # reference copies of the blocks held here
@@ -114,8 +102,7 @@ class Freeze(Case):
             self._count_wgrads(i, layer)
 
     def _blocks(self) -> dict[int, nn.Module]:
-        pipe = self.trainer.pipe
-        return {i: pipe.layers[i] for i in sorted(pipe.layers) if pipe.specs[i].kind == "t"}
+        return self.host.blocks()
 
     def _refresh_step(self, step: int) -> bool:
         return step >= 0 and (step - self.opts.start_step) % self.opts.every == 0
@@ -163,20 +150,19 @@ class Freeze(Case):
         return events
 
     def _check(self, step: int) -> list[dict]:
-        ctx = self.trainer.ctx
         n = len(self.frozen)
         vec = torch.zeros(2, n, dtype=torch.float64)  # [plasticity sum, measurements]
         for i, layer in self._blocks().items():
             if i in self.probes and i in self.refs:
                 vec[0, i] = plasticity(layer, self.refs[i], *self.probes[i])
                 vec[1, i] = 1.0
-        dist.all_reduce(vec, group=ctx.active_group)  # every replica of a block measured it
+        dist.all_reduce(vec, group=self.host.active_group)  # every replica of a block measured it
         newly = []
         for i in range(n):
             if vec[1, i] > 0:
                 self.progress[i] = float(vec[0, i] / vec[1, i])
-        for i, spec in enumerate(self.trainer.pipe.specs):
-            if spec.kind != "t" or self.frozen[i]:
+        for i in range(n):
+            if not self.host.is_block(i) or self.frozen[i]:
                 continue
             p = self.progress[i]
             if sum(self.frozen) >= self.max_frozen or p is None or not p < self.opts.tolerance:
@@ -187,18 +173,19 @@ class Freeze(Case):
             newly.append(i)
         if not newly:
             return []
-        pipe = self.trainer.pipe
-        states = pipe.optimizer_states()
+        host = self.host
+        layers = host.layers()
+        states = host.optimizer_states()
         for i in newly:
-            if i in pipe.layers:
-                freeze_layer(pipe.layers[i])
+            if i in layers:
+                freeze_layer(layers[i])
                 states.pop(i, None)
                 self.refs.pop(i, None)
-        pipe.rebuild_optimizer(states)
+        host.rebuild_optimizer(states)
         return [{
             "type": "dynamism",
             "step": step,
-            "frozen_blocks": [pipe.specs[i].index - 1 for i in newly],
+            "frozen_blocks": [host.block_number(i) for i in newly],
             "plasticity": [self.progress[i] for i in newly],
         }]
 
@@ -208,14 +195,14 @@ class Freeze(Case):
     def load_state(self, state: dict) -> None:
         """Resume: re-freeze the blocks frozen when the checkpoint was saved (before the load,
         so their missing optimizer state is not expected). Reference copies restart."""
-        pipe = self.trainer.pipe
-        states = pipe.optimizer_states()
+        layers = self.host.layers()
+        states = self.host.optimizer_states()
         for i in state.get("frozen", []):
             self.frozen[i] = True
-            if i in pipe.layers:
-                freeze_layer(pipe.layers[i])
+            if i in layers:
+                freeze_layer(layers[i])
                 states.pop(i, None)
-        pipe.rebuild_optimizer(states)
+        self.host.rebuild_optimizer(states)
 
     def layer_stats(self) -> dict[str, dict[int, Any]]:
         out: dict[str, dict[int, Any]] = {"freeze_frozen": {}, "freeze_wgrad_elems": {}}

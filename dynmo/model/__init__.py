@@ -1,5 +1,2 @@
-"""The model as a sequence of pipeline-movable layers: E (embedding), t (blocks), L (head)."""
-
-from dynmo.model.gpt import Block, Embedding, Head, LayerSpec, build_layer, layer_specs, loss_fn
-
-__all__ = ["Block", "Embedding", "Head", "LayerSpec", "build_layer", "layer_specs", "loss_fn"]
+"""The model: `gpt` (the layers' modules), the block variants (`moe`, `mod`, `hashattn`) and
+`layers` (the model as a list of pipeline-movable layers: specs, the block table, building)."""

@@ -1,6 +1,7 @@
 """A readable GPT, built as a list of layers any rank can construct from a spec.
 
-Read top to bottom: attention -> MLP -> Block -> Embedding -> Head -> specs.
+Read top to bottom: attention -> MLP -> Block -> Embedding -> Head -> loss -> initialisation.
+`dynmo.model.layers` turns these into the list of layers a pipeline moves.
 
 Every layer maps `(x, mask) -> (x, mask)` except the embedding (`tokens -> (x, mask)`) and the
 head (`(x, mask) -> logits`). `mask` is a bool [batch, seq] tensor of *active* tokens with a
@@ -16,7 +17,6 @@ migrated to, start from identical weights.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -68,7 +68,17 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block (t)."""
+    """Pre-norm transformer block (t).
+
+    With `skip_inactive` set (models whose tokens can leave the computation, e.g. early exit),
+    the block computes only the active tokens of a microbatch that has inactive ones: per
+    sequence the active positions are gathered (padded to the most active sequence; padding
+    rows are inactive tokens whose result is discarded) and the query projection, attention,
+    output projection and MLP run on those rows only. Inactive tokens still serve as keys and
+    values with their current hidden state, so an active token's output is exactly the dense
+    block's, and inactive tokens pass bit for bit. Off (the default), the block never looks at
+    the mask, which costs a dense model nothing.
+    """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -76,35 +86,48 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg)
-        # Injected imbalance (SkewConfig): extra MLP passes whose result is multiplied by zero.
-        # Real forward and backward work; y + 0 * z == y, so the math is unchanged.
-        self.extra_mlp_passes = 0
-        # Early exit (dynmo/dynamics/earlyexit.py) sets both: a per-token exit classifier (a
-        # submodule, so it trains, migrates and is checkpointed with the block) and a router
-        # that computes only the active tokens and lets confident ones exit. None: dense block.
-        self.exit_head: nn.Module | None = None
-        self.token_router = None
+        self.skip_inactive = False
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor):
-        if self.token_router is not None:
-            return self.token_router(self, x, mask)
+        if self.skip_inactive and not bool(mask.all()):
+            return self.active_forward(x, mask)[0], mask
         return self.dense_forward(x, mask)
 
     def dense_forward(self, x: torch.Tensor, mask: torch.Tensor):
         """The block on every token (mask passes through)."""
         x = x + self.attn(self.ln1(x))
-        h = self.ln2(x)
-        y = self.mlp(h)
-        for _ in range(self.extra_mlp_passes):
-            y = y + 0.0 * self.mlp(h)
-        return x + y, mask
+        return x + self.mlp(self.ln2(x)), mask
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # A block migrated with an early-exit classifier is rebuilt without one: grow it.
-        w = state_dict.get(prefix + "exit_head.weight")
-        if w is not None and self.exit_head is None:
-            self.exit_head = nn.Linear(w.shape[1], w.shape[0], device=self.ln1.weight.device, dtype=w.dtype)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+    def active_forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The block on the active tokens only; returns the new hidden state and the number of
+        rows computed per sequence."""
+        B, T, D = x.shape
+        A = int(mask.sum(1).max())
+        if A == 0:  # no active token: nothing to compute (a copy, never an alias of the input)
+            return x.clone(), 0
+        pos = torch.arange(T, device=x.device)
+        # active positions first (in position order), then inactive ones as padding: distinct
+        # positions, so the scatter below writes every position at most once
+        idx = (pos + T * (~mask)).argsort(dim=1)[:, :A]
+        valid = mask.gather(1, idx)
+        g = idx.unsqueeze(-1).expand(-1, -1, D)
+        attn = self.attn
+        H = attn.n_heads
+        h = self.ln1(x)
+        w, b = attn.qkv.weight, attn.qkv.bias
+        kv = F.linear(h, w[D:], None if b is None else b[D:])  # keys/values of every token
+        q = F.linear(h.gather(1, g), w[:D], None if b is None else b[:D])  # queries of the active ones
+        k, v = kv.split(D, dim=2)
+        q = q.view(B, A, H, D // H).transpose(1, 2)
+        k, v = (t.view(B, T, H, D // H).transpose(1, 2) for t in (k, v))
+        causal = (pos.view(1, 1, T) <= idx.unsqueeze(-1)).unsqueeze(1)  # [B, 1, A, T]
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=causal, dropout_p=attn.dropout if self.training else 0.0
+        )
+        sel = x.gather(1, g)
+        s = sel + attn.proj(y.transpose(1, 2).contiguous().view(B, A, D))
+        new = torch.where(valid.unsqueeze(-1), s + self.mlp(self.ln2(s)), sel)
+        return x.scatter(1, g, new), A
 
 
 class Embedding(nn.Module):
@@ -144,90 +167,11 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-# ---- layer specs --------------------------------------------------------------------------
-
-KINDS = {"E": Embedding, "t": Block, "L": Head}
-
-# Block variants for dynamic models (model.block selects one): each takes (cfg: ModelConfig)
-# and maps (x, mask) -> (x, mask) with the same shapes as Block.
-BLOCKS: dict[str, type[nn.Module]] = {"dense": Block}
-
-
-def register_block(name: str):
-    """Class decorator: make a block variant available as `model.block = name`."""
-
-    def deco(cls):
-        BLOCKS[name] = cls
-        return cls
-
-    return deco
-
-
-def layer_class(kind: str, cfg: ModelConfig) -> type[nn.Module]:
-    if kind != "t":
-        return KINDS[kind]
-    if cfg.block not in BLOCKS:
-        import dynmo.dynamics  # noqa: F401  registers the dynamic-model blocks on first use
-    try:
-        return BLOCKS[cfg.block]
-    except KeyError:
-        raise ValueError(f"unknown model.block {cfg.block!r}; known: {sorted(BLOCKS)}") from None
-
-
-@dataclass(frozen=True)
-class LayerSpec:
-    """Everything needed to build layer `index` on any rank (DeepSpeed's LayerSpec idea)."""
-
-    kind: str  # "E" | "t" | "L"
-    index: int  # position in the model, 0 .. n_layers + 1
-
-    @property
-    def name(self) -> str:
-        """Stable name, used as checkpoint key prefix: embed, block0, block1, ..., head."""
-        if self.kind == "E":
-            return "embed"
-        if self.kind == "L":
-            return "head"
-        return f"block{self.index - 1}"
-
-
-def layer_specs(cfg: ModelConfig) -> list[LayerSpec]:
-    return [LayerSpec("E", 0)] + [LayerSpec("t", i + 1) for i in range(cfg.n_layers)] + [
-        LayerSpec("L", cfg.n_layers + 1)
-    ]
-
-
-def build_layer(spec: LayerSpec, cfg: ModelConfig, seed: int, device: torch.device | str = "cpu") -> nn.Module:
-    """Build one layer with weights that depend only on (seed, spec), not on where it is built."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed * 1_000_003 + spec.index)
-        layer = layer_class(spec.kind, cfg)(cfg)
-        _init_weights(layer, cfg)
-    return tag_layer(layer, spec).to(device)
-
-
-def tag_layer(layer: nn.Module, spec: LayerSpec) -> nn.Module:
-    """Tell a block its number (0-based), for per-block options such as MoD capacities."""
-    if spec.kind == "t":
-        layer.index = spec.index - 1
-    return layer
-
-
-def _init_weights(layer: nn.Module, cfg: ModelConfig) -> None:
-    # GPT-2 init: N(0, 0.02), residual projections scaled down by depth.
+def init_weights(layer: nn.Module, cfg: ModelConfig) -> None:
+    """GPT-2 init: N(0, 0.02), residual projections scaled down by depth."""
     for name, p in layer.named_parameters():
         if p.dim() >= 2:
             std = 0.02 / math.sqrt(2 * cfg.n_layers) if name.endswith("proj.weight") else 0.02
             nn.init.normal_(p, mean=0.0, std=std)
         elif name.endswith("bias"):
             nn.init.zeros_(p)
-
-
-def param_count(layer: nn.Module) -> int:
-    return sum(p.numel() for p in layer.parameters())
-
-
-def layer_param_counts(cfg: ModelConfig) -> list[int]:
-    """Parameters per layer without allocating weights (built on the meta device)."""
-    with torch.device("meta"):
-        return [param_count(layer_class(s.kind, cfg)(cfg)) for s in layer_specs(cfg)]

@@ -9,6 +9,8 @@ import json
 import sys
 from pathlib import Path
 
+from dynmo.record import StepRecord
+
 
 class MetricsLog:
     def __init__(self, out: Path, total_steps: int, start_step: int, tensorboard: bool, progress: bool, every: int):
@@ -30,33 +32,33 @@ class MetricsLog:
 
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
 
-    def log(self, rec: dict) -> None:
-        self.jsonl.write(json.dumps(rec) + "\n")
+    def log(self, rec: StepRecord) -> None:
+        self.jsonl.write(json.dumps(rec.to_json()) + "\n")
         self.jsonl.flush()
         if self.tb is not None:
             for k in ("loss", "tokens_per_s", "bubble_ratio", "imbalance", "grad_norm", "lr", "val_loss"):
-                if rec.get(k) is not None:
-                    self.tb.add_scalar(k, rec[k], rec["step"])
-            for j, v in enumerate(rec["stage_compute_s"]):
-                self.tb.add_scalar(f"stage_compute_s/{j}", v, rec["step"])
+                if getattr(rec, k) is not None:
+                    self.tb.add_scalar(k, getattr(rec, k), rec.step)
+            for j, v in enumerate(rec.stage_compute_s):
+                self.tb.add_scalar(f"stage_compute_s/{j}", v, rec.step)
         line = self.format(rec)
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix_str(f"loss {rec['loss']:.4f}")
-            if rec["step"] % self.every == 0 or rec["events"]:
+            self.bar.set_postfix_str(f"loss {rec.loss:.4f}")
+            if rec.step % self.every == 0 or rec.events:
                 self.bar.write(line)
-        elif rec["step"] % self.every == 0 or rec["events"]:
+        elif rec.step % self.every == 0 or rec.events:
             print(line, flush=True)
 
     @staticmethod
-    def format(rec: dict) -> str:
+    def format(rec: StepRecord) -> str:
         s = (
-            f"step {rec['step']:>5} | loss {rec['loss']:.4f} | {rec['tokens_per_s']:>8.0f} tok/s | "
-            f"bubble {rec['bubble_ratio']:.3f} | imbalance {rec['imbalance']:.3f} | {rec['layout_str']}"
+            f"step {rec.step:>5} | loss {rec.loss:.4f} | {rec.tokens_per_s:>8.0f} tok/s | "
+            f"bubble {rec.bubble_ratio:.3f} | imbalance {rec.imbalance:.3f} | {rec.layout_str}"
         )
-        if rec.get("val_loss") is not None:
-            s += f" | val {rec['val_loss']:.4f}"
-        for ev in rec["events"]:
+        if rec.val_loss is not None:
+            s += f" | val {rec.val_loss:.4f}"
+        for ev in rec.events:
             if ev["type"] == "migration":
                 s += f"\n      migrated {ev['layers_moved']} layers {ev['old']} -> {ev['new']} ({ev['bytes'] / 1e6:.2f} MB, {ev['seconds'] * 1e3:.1f} ms)"
             else:

@@ -19,10 +19,12 @@ import torch.nn as nn
 
 from dynmo.config import Config
 from dynmo.layout import Layout, LayoutError
-from dynmo.model.gpt import LayerSpec, build_layer, layer_class, layer_specs, loss_fn, tag_layer
+from dynmo.model.gpt import loss_fn
+from dynmo.model.layers import LayerSpec, build_layer, empty_layer, layer_specs
 from dynmo.runtime import optim
 from dynmo.runtime.dist import DistContext
-from dynmo.runtime.schedules import schedule_kind, stage_to_rank
+from dynmo.runtime.schedules import schedule_class
+from dynmo.schedules import get_schedule, in_flight, stage_to_rank
 from dynmo.runtime.stage import StageModule, TimedPipelineStage, example_io
 from dynmo.runtime.transfer import Packet, recv_packet, send_packet
 
@@ -70,9 +72,9 @@ class Pipeline:
     def __init__(self, cfg: Config, ctx: DistContext, layout: Layout):
         self.cfg, self.ctx = cfg, ctx
         self.specs: list[LayerSpec] = layer_specs(cfg.model)
-        self.kind = schedule_kind(cfg.parallel.schedule)
+        self.schedule_info = get_schedule(cfg.parallel.schedule)
         self.num_stages = ctx.pp * cfg.parallel.virtual_stages
-        self.placement = stage_to_rank(self.num_stages, ctx.pp, self.kind.style)
+        self.placement = stage_to_rank(self.num_stages, ctx.pp, self.schedule_info.placement)
         self._check_layout(layout)
         self.layout = layout
         self.microbatches = cfg.train.microbatches  # per replica per step; re-tuned after a re-pack
@@ -82,7 +84,8 @@ class Pipeline:
             i: build_layer(self.specs[i], cfg.model, cfg.train.seed, ctx.device) for i in self._my_layers(layout)
         }
         self.optimizer = optim.build_optimizer(self._named_layers(), cfg.train, ctx.device)
-        # objects with pack_layer/unpack_layer (dynmo.dynamics.case.Case): extra per-layer state
+        # objects with prepare_layer/pack_layer/unpack_layer (dynamic-model cases): the per-layer
+        # structure and state that must travel with a migrating layer
         self.layer_extras: list = []
         self._build_schedule()
 
@@ -132,8 +135,8 @@ class Pipeline:
                     group=self.ctx.pp_group,
                 )
             )
-        stage_arg = self.stages if self.kind.multi else self.stages[0]
-        self.schedule = self.kind.cls(stage_arg, self.microbatches, loss_fn=loss_fn)
+        stage_arg = self.stages if self.schedule_info.multi_stage else self.stages[0]
+        self.schedule = schedule_class(self.schedule_info)(stage_arg, self.microbatches, loss_fn=loss_fn)
 
     # ---- one step ---------------------------------------------------------------------
     def train_step(self, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> StepResult:
@@ -185,11 +188,8 @@ class Pipeline:
         return out
 
     def in_flight(self, stage: int) -> int:
-        """Microbatches whose activations stage `stage` holds at its peak (an estimate):
-        GPipe keeps all of them; 1F1B-style schedules keep one per stage still ahead of it
-        (stage s of S warms up with S - s forwards), at most the microbatch count."""
-        m = self.microbatches
-        return m if self.cfg.parallel.schedule == "gpipe" else min(m, self.num_stages - stage)
+        """Microbatches whose activations stage `stage` holds at its peak (an estimate)."""
+        return in_flight(self.schedule_info.name, self.microbatches, self.num_stages, stage)
 
     def _grads(self) -> list[torch.Tensor]:
         return [p.grad for i in sorted(self.layers) for p in self.layers[i].parameters() if p.grad is not None]
@@ -283,7 +283,7 @@ class Pipeline:
                 return report
             self.ctx = ctx
             self.num_stages = new.num_stages
-            self.placement = stage_to_rank(self.num_stages, ctx.pp, self.kind.style)
+            self.placement = stage_to_rank(self.num_stages, ctx.pp, self.schedule_info.placement)
         if microbatches is not None:
             self.set_microbatches(microbatches)
         self.rebuild_optimizer(states)
@@ -324,9 +324,9 @@ class Pipeline:
     def _unpack_layer(self, pkt: Packet) -> tuple[nn.Module, dict]:
         spec: LayerSpec = pkt.header["spec"]
         self.specs[spec.index] = spec
-        with torch.device("meta"):
-            layer = layer_class(spec.kind, self.cfg.model)(self.cfg.model)
-        layer = tag_layer(layer.to_empty(device=self.ctx.device), spec)
+        layer = empty_layer(spec, self.cfg.model, self.ctx.device)
+        for ex in self.layer_extras:  # structure first (e.g. an exit classifier), so the weights fit
+            ex.prepare_layer(spec.index, layer)
         weights = {k[2:]: v for k, v in pkt.tensors.items() if k.startswith("w.")}
         layer.load_state_dict(weights, strict=True)
         params = dict(layer.named_parameters())

@@ -1,5 +1,5 @@
-"""Start-up probes of the workers and links, for the stage cost (SPEC: stage load divided by
-worker speed, plus the activation transfer to the next stage).
+"""Start-up probes of the workers and links, for the stage cost (stage load divided by worker
+speed, plus the activation transfer to the next stage).
 
 speeds     every rank times the same fixed matmul workload; speed = reference time / own time,
            the reference being pipeline position 0 (averaged over data-parallel replicas).
@@ -18,6 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from dynmo.config import BalanceConfig
 from dynmo.runtime.dist import DistContext
 
 
@@ -82,3 +83,19 @@ def measure_links(ctx: DistContext, microbatch: int, seq_len: int, d_model: int,
     if pp < 2:
         return []
     return [statistics.fmean(float(parts[r * pp + j][j]) for r in range(ctx.dp)) for j in range(pp - 1)]
+
+
+def measure_workers(b: BalanceConfig, ctx: DistContext, microbatch: int, seq_len: int, d_model: int
+                    ) -> tuple[list[float], list[float] | None]:
+    """Worker speeds and per-link transfer seconds per microbatch, as `[balance]` asks:
+    `speeds` given, or `workers = "measure"` (within 10% of the reference is noise, not a
+    slower worker), else equal; links measured unless `links = "free"`."""
+    speeds = [1.0] * ctx.pp
+    if b.workers == "measure":
+        speeds = [1.0 if abs(x - 1.0) < 0.1 else x for x in measure_speeds(ctx)]
+    if b.speeds:
+        speeds = list(b.speeds)
+    transfer = None
+    if b.links == "measure" and ctx.pp > 1:
+        transfer = measure_links(ctx, microbatch, seq_len, d_model)
+    return speeds, transfer

@@ -23,8 +23,9 @@ import argparse
 import json
 import sys
 
+from dynmo.config import BalanceConfig
+from dynmo.controller import MIGRATION_BANDWIDTH, MIGRATION_FIXED_S
 from dynmo.jsonio import read_json
-
 from dynmo.sim.engine import ALLREDUCE_MODES, P2P_MODES, SimInputError, simulate
 from dynmo.sim.schedules import SCHEDULES, ScheduleError
 from dynmo.sim.trace import TraceError
@@ -62,16 +63,20 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--cost-scale", type=float, default=1.0, help="with --scale-blocks: multiply layer costs")
     r.add_argument("--params-scale", type=float, default=1.0, help="with --scale-blocks: multiply block params")
     r.add_argument("--noise", type=float, default=0.0, help="with --scale-blocks: lognormal sigma per block and step")
-    r.add_argument("--when", default="auto", choices=["every", "dynamism", "auto"], help="controller trigger (default auto)")
-    r.add_argument("--every", type=int, default=10, help="with --when every: steps between rebalances")
-    r.add_argument("--window", type=int, default=3, help="controller's median forecast window")
-    r.add_argument("--min-gain", type=float, default=0.05, help="auto: minimum bottleneck reduction")
-    r.add_argument("--horizon", type=int, default=50, help="auto: steps the saving must repay the migration in")
-    r.add_argument("--repack-tolerance", type=float, default=0.05, help="+repack: allowed bottleneck growth")
+    b = BalanceConfig()  # the DynMo loop's knobs default as in a training config's [balance]
+    r.add_argument("--when", default="auto", help="controller trigger: every, dynamism or auto (default auto)")
+    r.add_argument("--every", type=int, default=b.every, help=f"with --when every: steps between rebalances (default {b.every})")
+    r.add_argument("--window", type=int, default=b.window, help=f"controller's median forecast window (default {b.window})")
+    r.add_argument("--min-gain", type=float, default=b.min_gain, help=f"auto: minimum bottleneck reduction (default {b.min_gain})")
+    r.add_argument("--horizon", type=int, default=b.horizon, help=f"auto: steps the saving must repay the migration in (default {b.horizon})")
+    r.add_argument("--repack-tolerance", type=float, default=b.repack_tolerance,
+                   help=f"+repack: allowed bottleneck growth (default {b.repack_tolerance})")
     r.add_argument("--retune-microbatches", action="store_true",
                    help="+repack: fewer microbatches for the shorter pipeline (as balance.retune_microbatches)")
-    r.add_argument("--mig-bandwidth", type=float, default=1e9, help="migration bytes/s (default 1e9)")
-    r.add_argument("--mig-fixed", type=float, default=0.01, help="fixed seconds per migration (default 0.01)")
+    r.add_argument("--mig-bandwidth", type=float, default=MIGRATION_BANDWIDTH,
+                   help=f"migration bytes/s (default {MIGRATION_BANDWIDTH:g})")
+    r.add_argument("--mig-fixed", type=float, default=MIGRATION_FIXED_S,
+                   help=f"fixed seconds per migration (default {MIGRATION_FIXED_S})")
     r.add_argument("--no-decide-time", action="store_true", help="do not charge the controller's decide time")
     r.add_argument("--comm", type=float, default=0.0, help="seconds per stage-to-stage transfer (default 0)")
     r.add_argument("--op-overhead", type=float, default=0.0,
@@ -144,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _replay_main(args: argparse.Namespace) -> int:
-    from dynmo.sim.replay import ReplayOptions, default_policies, replay, summary_table, trace_summary
+    from dynmo.sim.replay import ReplayOptions, default_policies, replay, replay_balance, summary_table, trace_summary
     from dynmo.sim.trace import load_trace, scale_trace
 
     trace = load_trace(args.trace)
@@ -153,11 +158,12 @@ def _replay_main(args: argparse.Namespace) -> int:
                             params_scale=args.params_scale, noise=args.noise)
     if args.save_trace:
         trace.write(args.save_trace)
+    balance = replay_balance(when=args.when, every=args.every, window=args.window, min_gain=args.min_gain,
+                             horizon=args.horizon, repack_tolerance=args.repack_tolerance,
+                             retune_microbatches=args.retune_microbatches)
     opts = ReplayOptions(
         schedule=args.schedule, microbatches=args.microbatches, stages_per_rank=args.stages_per_rank,
-        when=args.when, every=args.every, window=args.window, min_gain=args.min_gain, horizon=args.horizon,
-        repack_tolerance=args.repack_tolerance, retune_microbatches=args.retune_microbatches,
-        migration_bandwidth=args.mig_bandwidth,
+        balance=balance, migration_bandwidth=args.mig_bandwidth,
         migration_fixed_s=args.mig_fixed, charge_decide=not args.no_decide_time, comm=args.comm,
         op_overhead=args.op_overhead,
         p2p=args.p2p or "eager", allreduce_bandwidth=args.allreduce_bandwidth,
@@ -182,7 +188,7 @@ def _replay_main(args: argparse.Namespace) -> int:
     print(f"trace: {args.trace} ({info['source']}), case {info['case']}, {info['layers']} layers, "
           f"{info['steps']} steps, dynamism at steps {info['dynamism_steps'] or 'none'}")
     print(f"replay: {shape['schedule']}, {shape['stages']} stages on {shape['ranks']} ranks x {shape['dp']} dp "
-          f"= {shape['workers']} workers, {shape['microbatches']} microbatches, controller when={opts.when}")
+          f"= {shape['workers']} workers, {shape['microbatches']} microbatches, controller when={opts.balance.when}")
     print(summary_table(results))
     print("speedup: total time of static uniform / this policy's (migrations and decide time included); "
           "/worker: the same per worker-second; bottleneck: mean slowest stage per microbatch")
@@ -206,7 +212,7 @@ def _shape(trace, results, args, opts) -> dict:
 
 
 def _missing(trace, opts, shape) -> list[str]:
-    """What this replay leaves out, said in the output (issue 7)."""
+    """What this replay leaves out, said in the output."""
     out = []
     if shape["dp"] > 1 and not opts.allreduce_bandwidth:
         out.append("data-parallel gradient all-reduce (give --allreduce-bandwidth bytes/s)")
@@ -216,7 +222,7 @@ def _missing(trace, opts, shape) -> list[str]:
         out.append("per-op runtime overhead outside the measured compute (give --op-overhead seconds)")
     if "ZeroBubble" in shape["schedule"] and any(s.wgrad is None for s in trace.steps):
         out.append("measured weight-gradient split: the zero-bubble schedules take wgrad = bwd / 2")
-    if not opts.retune_microbatches:
+    if not opts.balance.retune_microbatches:
         out.append("micro-batch re-tuning after re-packing (give --retune-microbatches)")
     if shape["stages_per_rank"] > 1:
         out.append("re-packing: the runtime re-packs only with one stage per rank, so +repack policies are left out")

@@ -480,7 +480,7 @@ def simulate_plan(
 
 
 def bubble_ratio(busy: Sequence[float], iteration_time: float) -> float:
-    """Idle time / (workers x iteration time) (SPEC.md); replicas share the same ratio."""
+    """Idle time / (workers x iteration time); replicas share the same ratio."""
     if iteration_time <= 0 or not busy:
         return 0.0
     idle = sum(max(0.0, iteration_time - b) for b in busy)

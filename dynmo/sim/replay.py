@@ -10,31 +10,34 @@ iteration of the schedule with them. Policies:
 
   uniform, params      static: equal layers per stage (Megatron) / DeepSpeed's partition of
                        the parameter counts, kept for the whole run;
-  <balancer>           dynamic: the pure `dynmo.controller.Controller` (the same policy code
-                       the runtime runs) observes each step's costs after the step and decides
-                       before the next one with that balancer (optimal, deepspeed fed times,
+  <balancer>           dynamic: `dynmo.loop.DynmoLoop` (the object the trainer drives, built
+                       from the same `[balance]` config) observes each step's costs after the
+                       step and decides before the next one with that balancer (optimal, deepspeed fed times,
                        diffusion-contiguous, uniform); a migration costs fixed + bytes /
                        bandwidth and the balancer's measured decide time is charged too;
-  <balancer>+repack    the same with the controller's re-packing on (`Controller(repack=True)`,
+  <balancer>+repack    the same with the controller's re-packing on (`balance.repack = true`,
                        which calls `dynmo.balance.repack`): at a decision point it packs the
                        layers onto the fewest stages whose optimal bottleneck stays within the
                        tolerance; released workers never return; optionally the microbatch
-                       count is re-tuned for the shorter pipeline (as balance.retune_microbatches);
+                       count is re-tuned for the shorter pipeline (balance.retune_microbatches);
   oracle               per step the optimal contiguous layout for that step's own costs, with
-                       no migration or decide cost: the oracle bound (SPEC.md).
+                       no migration or decide cost: the oracle bound.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import numpy as np
 
 from dynmo.balance import BALANCERS, Problem, balance
-from dynmo.controller import WHEN, Controller, retune_microbatches
+from dynmo.config import BalanceConfig, ConfigError
+from dynmo.controller import MIGRATION_BANDWIDTH, MIGRATION_FIXED_S
 from dynmo.layout import Layout, imbalance
+from dynmo.loop import DynmoLoop, check_balance
+from dynmo.record import StepRecord
 from dynmo.sim.engine import SimInputError, StageTimes, ring_allreduce_time, simulate_plan
 from dynmo.sim.schedules import Plan, build_plan, canonical_name, default_stages_per_rank
 from dynmo.sim.trace import Trace
@@ -45,23 +48,24 @@ DEFAULT_POLICIES = (*STATIC, *DYNAMIC, *(f"{b}+repack" for b in DYNAMIC), "oracl
 GRAD_BYTES_PER_PARAM = 4  # fp32 gradients in the data-parallel all-reduce
 
 
+def replay_balance(**knobs) -> BalanceConfig:
+    """The `[balance]` section a replay uses by default: the config's, with `when = "auto"`
+    (a replay exists to exercise the dynamic policies); `knobs` override fields."""
+    return BalanceConfig(**({"when": "auto"} | knobs))
+
+
 @dataclass
 class ReplayOptions:
     schedule: str | None = None  # default: the traced run's
     microbatches: int | None = None  # per replica per step; default: the traced run's
     stages_per_rank: int | None = None  # multi-stage schedules; default: traced virtual_stages or 2
-    # controller (dynmo.controller.Controller), as [balance] in the config
-    when: str = "auto"
-    every: int = 10
-    window: int = 3
-    min_gain: float = 0.05
-    horizon: int = 50
+    # the DynMo loop's knobs, as [balance] in a training config; each dynamic policy sets the
+    # balancer and re-packing from its name (optimal+repack)
+    balance: BalanceConfig = field(default_factory=replay_balance)
     initial: str = "uniform"  # initial layout of the dynamic policies: uniform | params
-    repack_tolerance: float = 0.05
-    retune_microbatches: bool = False  # after a re-pack, fewer microbatches for the shorter pipeline
-    # migration cost: seconds = fixed + bytes / bandwidth (the controller's model)
-    migration_bandwidth: float = 1e9  # bytes/s
-    migration_fixed_s: float = 0.01
+    # migration cost: seconds = fixed + bytes / bandwidth (and the controller's prior)
+    migration_bandwidth: float = MIGRATION_BANDWIDTH  # bytes/s
+    migration_fixed_s: float = MIGRATION_FIXED_S
     charge_decide: bool = True  # add the measured time of the controller's decisions
     # communication
     comm: float = 0.0  # seconds per activation / gradient transfer between stages
@@ -72,8 +76,12 @@ class ReplayOptions:
     allreduce_latency: float = 0.0
 
     def check(self) -> None:
-        if self.when not in WHEN or self.when == "never":
-            raise SimInputError(f"when must be one of every, dynamism, auto for the dynamic policies, got {self.when!r}")
+        try:
+            check_balance(self.balance)
+        except ConfigError as e:
+            raise SimInputError(str(e)) from None
+        if self.balance.when == "never":
+            raise SimInputError("balance.when = never keeps every layout static; the dynamic policies need every, dynamism or auto")
         if self.initial not in STATIC:
             raise SimInputError(f"initial must be uniform or params, got {self.initial!r}")
         if not self.op_overhead >= 0 or not self.comm >= 0:
@@ -327,21 +335,21 @@ def _run_oracle(trace: Trace, runner: _Runner, stages: int, res: PolicyResult) -
 
 def _run_dynamic(trace: Trace, runner: _Runner, stages: int, balancer: str, do_repack: bool,
                  opts: ReplayOptions, res: PolicyResult) -> None:
-    """The runtime's loop (dynmo.train: _rebalance before the step, _observe after it)."""
+    """The trainer's loop, on traced costs: decide before each step, observe after it."""
     h = trace.header
-    ctl = Controller(when=opts.when, every=opts.every, balancer=balancer, window=opts.window,
-                     min_gain=opts.min_gain, horizon=opts.horizon, microbatches=runner.m,
-                     repack=do_repack, repack_tolerance=opts.repack_tolerance,
-                     fixed_s=opts.migration_fixed_s, bandwidth=opts.migration_bandwidth)
+    loop = DynmoLoop(replace(opts.balance, balancer=balancer, repack=do_repack), microbatches=runner.m,
+                     schedule=runner.schedule, layer_params=h.params, layer_bytes=h.layer_bytes,
+                     migration_fixed_s=opts.migration_fixed_s, migration_bandwidth=opts.migration_bandwidth)
     layout = _static_layout(opts.initial, trace, stages)
     m = runner.m
     n_steps = len(trace.steps)
     for k, st in enumerate(trace.steps):
-        lbytes = st.state_bytes or h.layer_bytes  # measured state when the trace has it
+        lbytes = st.state_bytes or h.layer_bytes  # what this step's migration ships
         t0 = time.perf_counter()
-        decision = ctl.decide(k, layout, lbytes, n_steps - k)
+        decision = loop.decide(k, layout, n_steps - k)
         decide_s = time.perf_counter() - t0 if opts.charge_decide else 0.0
         overhead = decide_s
+        events = [e for e in st.events if e.get("type") == "dynamism"]  # the traced run's own migrations do not apply
         if decision is not None and decision.layout != layout:
             new = decision.layout
             # a re-pack keeps pipeline positions 0..k-1 (as the runtime), so compare owners directly
@@ -352,18 +360,16 @@ def _run_dynamic(trace: Trace, runner: _Runner, stages: int, balancer: str, do_r
                 res.layers_moved += moved
                 res.migration_s += seconds
                 overhead += seconds
-                ctl.observe_migration(nbytes, seconds)
-            if new.num_stages < layout.num_stages and opts.retune_microbatches:
-                m = retune_microbatches(runner.local_batch, m, layout.num_stages, new.num_stages)
-                ctl.microbatches = m
+                events.append({"type": "migration", "bytes": nbytes, "seconds": seconds})
+            m = loop.retuned_microbatches(runner.local_batch, m, layout.num_stages, new.num_stages) or m
             layout = new
-            ctl.history.clear()  # as the runtime: costs measured under the old layout are dropped
+            loop.applied(m)
         res.decide_s += decide_s
         res.overhead_s.append(overhead)
         runner.step(k, layout, res, m)
-        if st.dynamism:
-            ctl.dynamism()
-        ctl.observe(runner.observed[k].tolist())
+        loop.observe(StepRecord(step=k, layout=list(layout.boundaries), microbatches=m,
+                                layer_cost_s=runner.observed[k].tolist(), layer_state_bytes=list(lbytes),
+                                events=events))
 
 
 def summary_table(results: Sequence[PolicyResult]) -> str:

@@ -21,6 +21,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
+from dynmo.schedules import SCHEDULES as ALL_SCHEDULES
+from dynmo.schedules import ScheduleError, get_schedule, stage_to_rank
+
 
 class Op(NamedTuple):
     kind: str  # "F", "B", "I" or "W"
@@ -29,10 +32,6 @@ class Op(NamedTuple):
 
     def __str__(self) -> str:  # torch prints actions as "{stage}{kind}{mb}", e.g. 3F1
         return f"{self.stage}{self.kind}{self.mb}"
-
-
-class ScheduleError(ValueError):
-    """A schedule that cannot run with the given ranks, stages and microbatches."""
 
 
 @dataclass(frozen=True)
@@ -47,38 +46,18 @@ class Plan:
     rank_ops: tuple[tuple[Op, ...], ...]  # per rank, in execution order
     split_backward: bool  # True: backward is I + W ops, else one B op
 
-    def stages_of(self, rank: int) -> list[int]:
-        return [s for s, r in enumerate(self.stage_rank) if r == rank]
 
-
-# Canonical names are torch's (`get_schedule_class`), matched case-insensitively.
-SINGLE_STAGE = ("GPipe", "1F1B")
-MULTI_STAGE = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
-SCHEDULES = SINGLE_STAGE + MULTI_STAGE
-_ALIASES = {
-    "zb": "InterleavedZeroBubble",
-    "zbv": "ZBVZeroBubble",
-    "interleaved": "Interleaved1F1B",
-    "interleavedzb": "InterleavedZeroBubble",
-}
+# the simulator's schedules, by torch name
+SCHEDULES = tuple(s.torch_name for s in ALL_SCHEDULES)
 
 
 def canonical_name(name: str) -> str:
-    low = name.lower().replace("-", "").replace("_", "")
-    for n in SCHEDULES:
-        if n.lower() == low:
-            return n
-    if low in _ALIASES:
-        return _ALIASES[low]
-    raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
-
-
-def is_split_backward(name: str) -> bool:
-    return canonical_name(name) in ("InterleavedZeroBubble", "ZBVZeroBubble")
+    """The torch name of a schedule (`1f1b` -> `1F1B`), the name plans carry."""
+    return get_schedule(name).torch_name
 
 
 def default_stages_per_rank(name: str) -> int:
-    return 1 if canonical_name(name) in SINGLE_STAGE else 2
+    return get_schedule(name).default_stages_per_rank
 
 
 def build_plan(name: str, num_ranks: int, microbatches: int, stages_per_rank: int | None = None) -> Plan:
@@ -87,29 +66,26 @@ def build_plan(name: str, num_ranks: int, microbatches: int, stages_per_rank: in
     `stages_per_rank` (v) only matters for the multi-stage schedules (default 2; ZBV needs
     exactly 2); the pipeline then has `num_ranks * v` stages.
     """
-    name = canonical_name(name)
+    sched = get_schedule(name)
+    name = sched.torch_name
     p, m = int(num_ranks), int(microbatches)
     if p < 1:
         raise ScheduleError(f"need at least 1 pipeline rank, got {p}")
     if m < 1:
         raise ScheduleError(f"need at least 1 microbatch, got {m}")
-    v = default_stages_per_rank(name) if stages_per_rank is None else int(stages_per_rank)
-    if name in SINGLE_STAGE and v != 1:
+    v = sched.default_stages_per_rank if stages_per_rank is None else int(stages_per_rank)
+    if not sched.multi_stage and v != 1:
         raise ScheduleError(f"{name} runs one stage per rank; got stages_per_rank={v}")
     if v < 1:
         raise ScheduleError(f"stages_per_rank must be >= 1, got {v}")
-    if name == "ZBVZeroBubble" and v != 2:
-        raise ScheduleError("ZBVZeroBubble needs exactly 2 stages per rank (a V placement)")
+    if sched.fixed_stages_per_rank not in (None, v):
+        raise ScheduleError(f"{name} needs exactly {sched.fixed_stages_per_rank} stages per rank (a V placement)")
     num_stages = p * v
-
-    if name == "ZBVZeroBubble":
-        stage_rank = tuple(s if s < p else 2 * p - 1 - s for s in range(num_stages))
-    else:  # looped placement: stage s on rank s % p
-        stage_rank = tuple(s % p for s in range(num_stages))
+    stage_rank = tuple(stage_to_rank(num_stages, p, sched.placement))
 
     gen = _GENERATORS[name]
     rank_ops = tuple(tuple(gen(r, p, v, m)) for r in range(p))
-    plan = Plan(name, p, num_stages, m, stage_rank, rank_ops, is_split_backward(name))
+    plan = Plan(name, p, num_stages, m, stage_rank, rank_ops, sched.split_backward)
     _check_complete(plan)
     return plan
 

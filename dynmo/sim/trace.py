@@ -13,7 +13,7 @@ Pure (stdlib + numpy; no torch). Format (JSON Lines, documented in docs/simulato
 metrics.jsonl; `bwd` is the full backward, weight gradient included).
 
     w = TraceWriter("run.trace.jsonl", TraceHeader.from_config(cfg.to_dict(), params, pp, dp))
-    w.write_step(record)      # the metrics record of Trainer._record, every step
+    w.write_step(record)      # the run's StepRecord (dynmo.record), every step
     w.close()
     t = load_trace("run.trace.jsonl")           # or trace_from_metrics("runs/skewed")
     big = scale_trace(t, blocks=48)             # paper-sized: 48 blocks, same dynamics
@@ -30,9 +30,11 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from dynmo.loop import BYTES_PER_PARAM
+from dynmo.record import StepRecord
+
 FORMAT = "dynmo-trace"
 VERSION = 1
-BYTES_PER_PARAM = 16  # fp32 weights + gradients + AdamW exp_avg and exp_avg_sq: 4 x 4 B
 
 
 class TraceError(ValueError):
@@ -146,36 +148,26 @@ class TraceStep:
         return d
 
     @classmethod
-    def from_record(cls, rec: dict) -> "TraceStep":
-        """From a metrics record (`Trainer._record`, one line of metrics.jsonl)."""
-        try:
-            fwd, bwd = [float(x) for x in rec["layer_fwd_s"]], [float(x) for x in rec["layer_bwd_s"]]
-        except KeyError as e:
-            raise TraceError(f"metrics record of step {rec.get('step')} lacks {e}: per-layer timing is off "
-                             "(balance.profile = false?)") from None
-        stats = {k: v for k, v in rec.items() if k not in _RECORD_KEYS and isinstance(v, list) and len(v) == len(fwd)}
+    def from_record(cls, rec: StepRecord) -> "TraceStep":
+        """From the run's record of the step (or a metrics.jsonl line read with `StepRecord.from_json`)."""
+        if not rec.layer_fwd_s or not rec.layer_bwd_s:
+            raise TraceError(f"metrics record of step {rec.step} lacks layer_fwd_s/layer_bwd_s: per-layer timing "
+                             "is off (balance.profile = false?)")
+        n = len(rec.layer_fwd_s)
         return cls(
-            step=int(rec["step"]),
-            fwd=fwd,
-            bwd=bwd,
-            wgrad=[float(x) for x in rec["layer_wgrad_s"]] if rec.get("layer_wgrad_s") else None,
-            layout=list(rec["layout"]) if rec.get("layout") is not None else None,
-            iteration_s=rec.get("iteration_s"),
-            step_s=rec.get("step_s"),
-            events=list(rec.get("events", [])),
-            stats=stats,
-            microbatches=int(rec["microbatches"]) if rec.get("microbatches") else None,
-            state_bytes=[float(x) for x in rec["layer_state_bytes"]] if rec.get("layer_state_bytes") else None,
-            cost=[float(x) for x in rec["layer_cost_s"]] if rec.get("layer_cost_s") else None,
+            step=int(rec.step),
+            fwd=[float(x) for x in rec.layer_fwd_s],
+            bwd=[float(x) for x in rec.layer_bwd_s],
+            wgrad=[float(x) for x in rec.layer_wgrad_s] if rec.layer_wgrad_s else None,
+            layout=list(rec.layout) if rec.layout else None,
+            iteration_s=rec.iteration_s,
+            step_s=rec.step_s,
+            events=list(rec.events),
+            stats={k: v for k, v in rec.stats.items() if isinstance(v, list) and len(v) == n},
+            microbatches=int(rec.microbatches) if rec.microbatches else None,
+            state_bytes=[float(x) for x in rec.layer_state_bytes] if rec.layer_state_bytes else None,
+            cost=[float(x) for x in rec.layer_cost_s] if rec.layer_cost_s else None,
         )
-
-
-_RECORD_KEYS = {
-    "step", "loss", "tokens_per_s", "step_s", "iteration_s", "layout", "layout_str", "stage_compute_s",
-    "stage_idle_s", "worker_compute_s", "worker_idle_s", "bubble_ratio", "imbalance", "layer_fwd_s",
-    "layer_bwd_s", "layer_wgrad_s", "grad_norm", "lr", "events", "val_loss", "microbatches", "workers",
-    "layer_act_bytes", "layer_state_bytes", "layer_cost_s", "stage_memory_bytes", "profile_s", "worker_peak_memory_bytes",
-}
 
 
 @dataclass
@@ -253,8 +245,8 @@ class TraceWriter:
         self._f.write(json.dumps(self.header.as_dict()) + "\n")
         self._f.flush()
 
-    def write_step(self, record: dict) -> None:
-        """One metrics record as built by `Trainer._record` (layer_fwd_s, layer_bwd_s, ...)."""
+    def write_step(self, record: StepRecord) -> None:
+        """One step as the run recorded it."""
         self.write_trace_step(TraceStep.from_record(record))
 
     def write_trace_step(self, step: TraceStep) -> None:
@@ -304,60 +296,37 @@ def load_trace(path: str | Path) -> Trace:
 def trace_from_metrics(run_dir: str | Path, params: Iterable[int] | None = None) -> Trace:
     """Convert a finished (or running) run's `metrics.jsonl` + `config.toml` into a trace.
 
-    Parameter counts come from `params` if given, else from the config analytically
-    (`param_counts`, which knows the dense, moe, mod and hashattn blocks).
-    """
+    Parameter counts come from `params` if given, else from the first step's `layer_params`
+    (what the model had when the run started)."""
     d = Path(run_dir)
     mpath, cpath = d / "metrics.jsonl", d / "config.toml"
     if not mpath.is_file() or not cpath.is_file():
         raise TraceError(f"{d} is not a run folder: need metrics.jsonl and config.toml (written by dynmo train --out)")
     cfg = tomllib.loads(cpath.read_text())
-    recs = [json.loads(ln) for ln in mpath.read_text().splitlines() if ln.strip()]
+    recs = [StepRecord.from_json(json.loads(ln)) for ln in mpath.read_text().splitlines() if ln.strip()]
     if not recs:
         raise TraceError(f"{mpath} has no steps yet")
     summary = {}
     if (d / "summary.json").is_file():
         summary = json.loads((d / "summary.json").read_text())
     pp, dp = _run_shape(cfg, recs[0], summary)
-    counts = list(params) if params is not None else param_counts(cfg.get("model", {}))
+    counts = list(params) if params is not None else recs[0].layer_params
+    if not counts:
+        raise TraceError(f"{mpath} records no layer_params (a run of an older dynmo); pass params= explicitly")
     header = TraceHeader.from_config(cfg, counts, pp, dp, source="metrics")
-    return Trace(header, [_check_step(TraceStep.from_record(r), header.num_layers, f"{mpath} step {r.get('step')}")
+    return Trace(header, [_check_step(TraceStep.from_record(r), header.num_layers, f"{mpath} step {r.step}")
                           for r in recs])
 
 
-def _run_shape(cfg: dict, rec: dict, summary: dict) -> tuple[int, int]:
+def _run_shape(cfg: dict, rec: StepRecord, summary: dict) -> tuple[int, int]:
     """pp and dp the run started with (a re-pack shrinks pp later; summary.json has the final one)."""
     par = cfg.get("parallel", {})
     dp = int(par.get("dp") or summary.get("dp") or 1)
-    pp = int(par.get("pp") or 0) or len(rec.get("worker_compute_s") or [])
+    pp = int(par.get("pp") or 0) or len(rec.worker_compute_s or [])
     if not pp:
         v = int(par.get("virtual_stages") or 1)
-        pp = (len(rec["layout"]) - 1) // v
+        pp = (len(rec.layout) - 1) // v
     return pp, dp
-
-
-def param_counts(model: dict) -> list[int]:
-    """Parameters per layer (E, blocks, L) of `dynmo.model.gpt` from the [model] config, no torch.
-
-    Mirrors the modules: tests/test_sim_trace.py checks it against `layer_param_counts`.
-    """
-    d, V, T = int(model.get("d_model", 256)), int(model.get("vocab_size", 2048)), int(model.get("seq_len", 128))
-    n, r = int(model.get("n_layers", 8)), int(model.get("mlp_ratio", 4))
-    block = str(model.get("block", "dense"))
-    h = r * d
-    ln = 2 * d
-    attn = (d * 3 * d + 3 * d) + (d * d + d)
-    mlp = (d * h + h) + (h * d + d)
-    if block in ("dense", "hashattn"):
-        t = 2 * ln + attn + mlp
-    elif block == "moe":
-        e = int(model.get("moe", {}).get("num_experts", 8))
-        t = 2 * ln + attn + d * e + e * mlp
-    elif block == "mod":
-        t = 2 * ln + attn + mlp + 2 * (d + 1)
-    else:
-        raise TraceError(f"no parameter formula for model.block={block!r}; pass params= explicitly")
-    return [V * d + T * d] + [t] * n + [ln + d * V]
 
 
 def case_name(cfg: dict) -> str:

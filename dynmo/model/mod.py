@@ -42,13 +42,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dynmo.config import MoDConfig, ModelConfig
+from dynmo.model.aux_loss import attach_aux_loss
+from dynmo.model.gpt import MLP, CausalSelfAttention
+from dynmo.model.stats import StepStats
 
 MoDOptions = MoDConfig  # options live in the config ([model.mod])
-from dynmo.dynamics import StepStats, attach_aux_loss
-from dynmo.model.gpt import MLP, CausalSelfAttention, register_block
 
 
-@register_block("mod")
 class MoDBlock(nn.Module):
     """Pre-norm block that processes only the router's top-k tokens of each sequence."""
 
@@ -92,7 +92,22 @@ class MoDBlock(nn.Module):
 
     def reset_stats(self) -> None:
         self._stats = StepStats()
-        self.last_stats: dict = {}
+
+    @property
+    def last_stats(self) -> dict:
+        s = self._stats
+        if not s.forwards:
+            return {}
+        return {
+            "rows": s.sums["rows"],
+            "attn_pairs": s.sums["attn_pairs"],
+            "tokens_processed": s.sums["tokens_processed"],
+            "active_tokens": s.sums["active_tokens"],
+            "capacity": self.capacity,
+            "predictor_accuracy": s.mean("predictor_accuracy"),
+            "aux_loss": s.mean("aux_loss"),
+            "forwards": s.forwards,
+        }
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor):
         x, aux = self.forward_with_aux(x, mask)
@@ -143,14 +158,3 @@ class MoDBlock(nn.Module):
             predictor_accuracy=float(agree) / max(1, n_active),
             aux_loss=float(aux),
         )
-        s = self._stats
-        self.last_stats = {
-            "rows": s.sums["rows"],
-            "attn_pairs": s.sums["attn_pairs"],
-            "tokens_processed": s.sums["tokens_processed"],
-            "active_tokens": s.sums["active_tokens"],
-            "capacity": self.capacity,
-            "predictor_accuracy": s.mean("predictor_accuracy"),
-            "aux_loss": s.mean("aux_loss"),
-            "forwards": s.forwards,
-        }

@@ -37,10 +37,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dynmo.config import MoEConfig, ModelConfig
+from dynmo.model.aux_loss import attach_aux_loss
+from dynmo.model.gpt import CausalSelfAttention
+from dynmo.model.stats import StepStats
 
 MoEOptions = MoEConfig  # options live in the config ([model.moe])
-from dynmo.dynamics import StepStats, attach_aux_loss
-from dynmo.model.gpt import CausalSelfAttention, register_block
 
 
 class ExpertLinear(nn.Module):
@@ -129,7 +130,6 @@ class MoELayer(nn.Module):
         return x.new_zeros(x.shape).index_add(0, r.token, y[flat] * r.weight[:, None])
 
 
-@register_block("moe")
 class MoEBlock(nn.Module):
     """Pre-norm block whose MLP is a sparse MoE (see module docstring)."""
 
@@ -144,7 +144,22 @@ class MoEBlock(nn.Module):
 
     def reset_stats(self) -> None:
         self._stats = StepStats()
-        self.last_stats: dict = {}
+
+    @property
+    def last_stats(self) -> dict:
+        s = self._stats
+        if not s.forwards:
+            return {}
+        return {
+            "tokens_per_expert": s.sums["tokens_per_expert"],
+            "routing_imbalance": s.mean("routing_imbalance"),
+            "expert_rows": s.sums["expert_rows"],
+            "useful_rows": s.sums["useful_rows"],
+            "dropped": s.sums["dropped"],
+            "active_tokens": s.sums["active_tokens"],
+            "aux_loss": s.mean("aux_loss"),
+            "forwards": s.forwards,
+        }
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor):
         x, aux = self.forward_with_aux(x, mask)
@@ -177,14 +192,3 @@ class MoEBlock(nn.Module):
             active_tokens=n_active,
             aux_loss=float(aux),
         )
-        s = self._stats
-        self.last_stats = {
-            "tokens_per_expert": s.sums["tokens_per_expert"],
-            "routing_imbalance": s.mean("routing_imbalance"),
-            "expert_rows": s.sums["expert_rows"],
-            "useful_rows": s.sums["useful_rows"],
-            "dropped": s.sums["dropped"],
-            "active_tokens": s.sums["active_tokens"],
-            "aux_loss": s.mean("aux_loss"),
-            "forwards": s.forwards,
-        }

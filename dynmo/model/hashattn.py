@@ -39,10 +39,10 @@ import torch
 import torch.nn as nn
 
 from dynmo.config import HashAttnConfig, ModelConfig
+from dynmo.model.gpt import MLP, CausalSelfAttention
+from dynmo.model.stats import StepStats
 
 HashAttnOptions = HashAttnConfig  # options live in the config ([model.hashattn])
-from dynmo.dynamics import StepStats
-from dynmo.model.gpt import MLP, CausalSelfAttention, register_block
 
 
 class HashSparseAttention(CausalSelfAttention):
@@ -111,7 +111,6 @@ class HashSparseAttention(CausalSelfAttention):
         return self.proj(y.transpose(1, 2).reshape(B, T, C)), info
 
 
-@register_block("hashattn")
 class HashAttnBlock(nn.Module):
     """Pre-norm block with hash-sparse causal attention (see module docstring)."""
 
@@ -126,19 +125,23 @@ class HashAttnBlock(nn.Module):
 
     def reset_stats(self) -> None:
         self._stats = StepStats()
-        self.last_stats: dict = {}
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor):
-        a, info = self.attn(self.ln1(x))
-        x = x + a
-        x = x + self.mlp(self.ln2(x))
-        self._stats.add(**info)
+    @property
+    def last_stats(self) -> dict:
         s = self._stats.sums
-        self.last_stats = {
+        if not self._stats.forwards:
+            return {}
+        return {
             "blocks_computed": s["blocks_computed"],
             "blocks_causal": s["blocks_causal"],
             "skipped_fraction": 1.0 - s["blocks_computed"] / s["blocks_causal"],
             "tokens_per_bucket": s["tokens_per_bucket"],
             "forwards": self._stats.forwards,
         }
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor):
+        a, info = self.attn(self.ln1(x))
+        x = x + a
+        x = x + self.mlp(self.ln2(x))
+        self._stats.add(**info)
         return x, mask

@@ -1,0 +1,78 @@
+"""Exact global top-k over tensors spread across the ranks of a process group.
+
+The paper's Algorithm 2 gathers every rank's local top-k values on rank 0. `global_keep`
+computes the same set with 32 scalar all-reduces instead of O(k) values: a bisection on the
+float bit pattern finds the exact k-th largest score v* over all ranks (for non-negative
+floats the int32 view is monotone), each rank keeps its entries > v*, and the ties at v* are
+shared out in rank order so exactly k survive. On magnitudes the result equals
+`torch.nn.utils.prune.global_unstructured(..., L1Unstructured, amount=...)` on the whole model
+(up to the order among exactly equal magnitudes, where torch's topk is unspecified).
+Negative scores mark entries that are not candidates (e.g. already pruned weights); they are
+never kept, as `global_unstructured` never revives entries outside an existing mask.
+
+Pure torch and torch.distributed: with `group=None` (or a one-rank group) everything is local.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _distributed(group) -> bool:
+    return group is not None and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def group_sum(t: torch.Tensor, group) -> torch.Tensor:
+    """`t` summed over the ranks of `group` (in place; no-op on one rank)."""
+    if _distributed(group):
+        dist.all_reduce(t, group=group)
+    return t
+
+
+def _count(t: torch.Tensor, group) -> int:
+    return int(group_sum(t, group))
+
+
+def global_keep(scores: list[torch.Tensor], keep: int, group=None) -> list[torch.Tensor]:
+    """Boolean masks keeping the `keep` largest scores over all tensors on all ranks of `group`.
+
+    `scores` are non-negative float tensors (magnitudes); entries < 0 are not candidates
+    (already pruned) and are never kept. Every rank of `group` must call this. Exact: the
+    k-th largest value is found by bisection on the float32 bit pattern (32 all-reduces of one
+    integer), ties at the threshold are kept in rank order, then position order.
+    """
+    flat = torch.cat([s.detach().reshape(-1).float() for s in scores]) if scores else torch.zeros(0)
+    bits = flat.view(torch.int32)  # non-negative floats: int order == float order; negatives < 0
+    lo, hi = 0, 0x7F800000  # [0, +inf]
+    total = _count(torch.tensor([int((bits >= 0).sum())], dtype=torch.int64), group)
+    keep = max(0, min(keep, total))
+    if keep == 0:
+        keep_mask = torch.zeros_like(bits, dtype=torch.bool)
+    else:
+        # largest b with count(bits >= b) >= keep: that is the keep-th largest value
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if _count(torch.tensor([int((bits >= mid).sum())], dtype=torch.int64), group) >= keep:
+                lo = mid
+            else:
+                hi = mid - 1
+        above = bits > lo
+        ties = bits == lo
+        n_above = _count(torch.tensor([int(above.sum())], dtype=torch.int64), group)
+        need = keep - n_above  # ties to keep, handed out in rank order
+        my_ties = int(ties.sum())
+        before = 0
+        if _distributed(group):
+            counts = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(counts, torch.tensor([my_ties], dtype=torch.int64), group=group)
+            before = sum(int(c) for c in counts[: dist.get_rank(group)])
+        mine = max(0, min(my_ties, need - before))
+        keep_mask = above.clone()
+        if mine:
+            keep_mask[ties.nonzero().squeeze(1)[:mine]] = True
+    out, off = [], 0
+    for s in scores:
+        out.append(keep_mask[off : off + s.numel()].view(s.shape))
+        off += s.numel()
+    return out

@@ -1,0 +1,147 @@
+"""The DynMo loop of one run: observe -> forecast -> decide -> apply -> refit. Pure (no torch).
+
+    loop = DynmoLoop(cfg.balance, microbatches=4, schedule="1f1b", layer_params=params)
+    for step in ...:
+        decision = loop.decide(step, layout, steps_left)   # before the step (one rank decides)
+        if decision: <migrate>; loop.applied(decision, microbatches)
+        <train the step>
+        loop.observe(record)                                # the step's StepRecord
+
+The trainer (`dynmo.train`) and the simulator's replay (`dynmo.sim.replay`) both drive this
+object, so a trace replayed at the traced shape sees the decisions the run made. What it
+adds to the pure decision core (`dynmo.controller.Controller`):
+  - the cost the controller sees: the measured per-layer cost of the typical microbatch
+    (`balance.cost = "time"`, with measured worker speeds divided out) or the parameter count,
+    scaled by each layer's pruning density where the run reports one (`"params"`);
+  - per-layer memory for a memory cap: state + the activations of the most microbatches any
+    stage keeps in flight (conservative: the layer may land on the first stage);
+  - the bytes a migration ships: the measured state per layer once a step was observed;
+  - the refit of the migration cost model from every migration the step's events report;
+  - dropping the forecast after a decision is applied (costs measured under the old layout
+    include its stage effects).
+
+`check_balance` is the one validation of the `[balance]` section.
+"""
+
+from __future__ import annotations
+
+from dynmo.config import BalanceConfig, ConfigError
+from dynmo.controller import MIGRATION_BANDWIDTH, MIGRATION_FIXED_S, Controller, Decision, retune_microbatches
+from dynmo.layout import Layout
+from dynmo.record import StepRecord
+from dynmo.schedules import in_flight
+
+WHEN = ("never", "every", "dynamism", "auto")
+COSTS = ("time", "params")
+PIPELINE_BALANCERS = ("optimal", "deepspeed", "diffusion-contiguous", "uniform")
+BYTES_PER_PARAM = 16  # fp32 weights + gradients + AdamW exp_avg and exp_avg_sq: 4 x 4 B
+
+
+def check_balance(b: BalanceConfig) -> None:
+    """Raise ConfigError naming the first bad `[balance]` value and what to use instead."""
+    if b.when not in WHEN:
+        raise ConfigError(f"unknown balance.when {b.when!r}; choose never, every, dynamism or auto")
+    if b.cost not in COSTS:
+        raise ConfigError(f"unknown balance.cost {b.cost!r}; choose time or params")
+    if b.balancer not in PIPELINE_BALANCERS:
+        raise ConfigError(
+            f"balance.balancer {b.balancer!r} cannot drive a pipeline; choose optimal, deepspeed, "
+            "diffusion-contiguous or uniform (diffusion breaks contiguity)"
+        )
+    if b.every < 1 or b.window < 1:
+        raise ConfigError("balance.every and balance.window must be >= 1")
+    if not b.repack_tolerance >= 0:
+        raise ConfigError(f"balance.repack_tolerance must be >= 0, got {b.repack_tolerance}")
+    if b.repack and b.when == "never":
+        raise ConfigError("balance.repack = true needs a controller: set balance.when to every, dynamism or auto")
+    if b.workers not in ("measure", "equal"):
+        raise ConfigError(f"unknown balance.workers {b.workers!r}; choose equal or measure")
+    if b.links not in ("measure", "free"):
+        raise ConfigError(f"unknown balance.links {b.links!r}; choose measure or free")
+    if b.speeds and min(b.speeds) <= 0:
+        raise ConfigError(f"balance.speeds must be positive, got {b.speeds}")
+    if b.memory_gb < 0:
+        raise ConfigError(f"balance.memory_gb must be >= 0 (0 = no cap), got {b.memory_gb}")
+
+
+class DynmoLoop:
+    def __init__(self, cfg: BalanceConfig, *, microbatches: int, schedule: str, layer_params: list[int],
+                 layer_bytes: list[int] | None = None, speeds: list[float] | None = None,
+                 transfer: list[float] | None = None, migration_fixed_s: float = MIGRATION_FIXED_S,
+                 migration_bandwidth: float = MIGRATION_BANDWIDTH):
+        check_balance(cfg)
+        self.cfg = cfg
+        self.schedule = schedule
+        self.layer_params = list(layer_params)
+        # what a migration ships per layer: a prior until the first step is measured
+        self.layer_bytes = list(layer_bytes) if layer_bytes else [BYTES_PER_PARAM * p for p in self.layer_params]
+        self.controller = Controller(cfg, microbatches, speeds=speeds, transfer=transfer,
+                                     fixed_s=migration_fixed_s, bandwidth=migration_bandwidth)
+        self.profile_s = 0.0  # profiler bookkeeping since the last decision
+
+    @property
+    def speeds(self) -> list[float] | None:
+        return self.controller.speeds
+
+    @property
+    def transfer(self) -> list[float] | None:
+        return self.controller.transfer
+
+    def decide(self, step: int, layout: Layout, steps_left: int) -> Decision | None:
+        return self.controller.decide(step, layout, self.layer_bytes, steps_left)
+
+    def retuned_microbatches(self, local_batch: int, microbatches: int, stages: int, new_stages: int) -> int | None:
+        """After a re-pack onto `new_stages`: the microbatch count to use, or None to keep it."""
+        if new_stages >= stages or not self.cfg.retune_microbatches:
+            return None
+        return retune_microbatches(local_batch, microbatches, stages, new_stages)
+
+    def applied(self, microbatches: int) -> None:
+        """A decision was applied (the run now has `microbatches` per replica)."""
+        self.controller.history.clear()  # costs measured under the old layout include its stage effects
+        self.controller.microbatches = microbatches
+        self.profile_s = 0.0
+
+    def event(self, decision: Decision, decide_s: float) -> dict:
+        """The fields a decision adds to its migration event."""
+        ctl = self.controller
+        return {
+            "reason": f"balance.when={self.cfg.when}",
+            "balancer": self.cfg.balancer,
+            "current_bottleneck_s": decision.current_bottleneck,
+            "predicted_bottleneck_s": decision.predicted_bottleneck,
+            "predicted_gain_s": decision.predicted_gain_s,
+            "predicted_migration_s": decision.predicted_cost_s,
+            "decide_s": decide_s,
+            "profile_s": self.profile_s,
+            "speeds": ctl.speeds,
+            "transfer_s": ctl.transfer,
+        }
+
+    def observe(self, rec: StepRecord) -> None:
+        """Take in one step: its costs, memory and events (dynamism, migrations)."""
+        ctl = self.controller
+        self.profile_s += rec.profile_s
+        if rec.microbatches:
+            ctl.microbatches = rec.microbatches  # a re-pack may have re-tuned it
+        if rec.layer_state_bytes:
+            self.layer_bytes = [int(x) for x in rec.layer_state_bytes]  # what a migration ships, measured
+        layout = Layout(tuple(rec.layout)) if rec.layout else None
+        if self.cfg.cost == "params":
+            density = rec.stats.get("prune_density") or [None] * len(self.layer_params)
+            costs = [c * (1.0 if d is None else d) for c, d in zip(self.layer_params, density)]
+        else:
+            costs = list(rec.layer_cost_s)  # typical microbatch: robust to one slowed microbatch
+            if ctl.speeds and layout is not None and layout.num_stages <= len(ctl.speeds):
+                # time on a worker of speed s is cost / s: undo it, so costs are worker-free
+                owner = layout.owner()
+                costs = [c * ctl.speeds[owner[i]] for i, c in enumerate(costs)]
+        if layout is not None and rec.layer_act_bytes and rec.layer_state_bytes:
+            S = layout.num_stages
+            held = max(in_flight(self.schedule, rec.microbatches or ctl.microbatches, S, j) for j in range(S))
+            ctl.memory = [s + held * a for s, a in zip(rec.layer_state_bytes, rec.layer_act_bytes)]
+        if rec.dynamism:
+            ctl.dynamism()
+        ctl.observe(costs)
+        for e in rec.migrations:
+            ctl.observe_migration(e["bytes"], e["seconds"])

@@ -1,0 +1,101 @@
+"""The model as the list of layers a pipeline moves: E (embedding), t (blocks), L (head).
+
+A `LayerSpec` is all a rank needs to build a layer (DeepSpeed's LayerSpec idea), so any rank
+can build any layer: at start-up the layers of its stages, later a layer that migrates to it.
+`build_layer` seeds each layer from (seed, layer index), so a layer has the same initial
+weights wherever it is built.
+
+The block variant is chosen by `model.block` from `BLOCKS`, the one table of block classes:
+each takes `(cfg: ModelConfig)` and maps `(x, mask) -> (x, mask)` with the shapes of
+`dynmo.model.gpt.Block`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from dynmo.config import ModelConfig
+from dynmo.model.gpt import Block, Embedding, Head, init_weights
+from dynmo.model.hashattn import HashAttnBlock
+from dynmo.model.mod import MoDBlock
+from dynmo.model.moe import MoEBlock
+
+BLOCKS: dict[str, type[nn.Module]] = {"dense": Block, "moe": MoEBlock, "hashattn": HashAttnBlock, "mod": MoDBlock}
+ENDS = {"E": Embedding, "L": Head}
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """Everything needed to build layer `index` on any rank."""
+
+    letter: str  # "E" (embedding) | "t" (transformer block) | "L" (head): how a layout prints it
+    index: int  # position in the model, 0 .. n_layers + 1
+
+    @property
+    def is_block(self) -> bool:
+        return self.letter == "t"
+
+    @property
+    def block(self) -> int | None:
+        """0-based block number, None for the embedding and the head."""
+        return self.index - 1 if self.is_block else None
+
+    @property
+    def name(self) -> str:
+        """Stable name, used as checkpoint key prefix: embed, block0, block1, ..., head."""
+        if self.letter == "E":
+            return "embed"
+        if self.letter == "L":
+            return "head"
+        return f"block{self.index - 1}"
+
+
+def layer_specs(cfg: ModelConfig) -> list[LayerSpec]:
+    return [LayerSpec("E", 0)] + [LayerSpec("t", i + 1) for i in range(cfg.n_layers)] + [
+        LayerSpec("L", cfg.n_layers + 1)
+    ]
+
+
+def layer_class(spec: LayerSpec, cfg: ModelConfig) -> type[nn.Module]:
+    if not spec.is_block:
+        return ENDS[spec.letter]
+    try:
+        return BLOCKS[cfg.block]
+    except KeyError:
+        raise ValueError(f"unknown model.block {cfg.block!r}; known: {sorted(BLOCKS)}") from None
+
+
+def build_layer(spec: LayerSpec, cfg: ModelConfig, seed: int, device: torch.device | str = "cpu") -> nn.Module:
+    """Build one layer with weights that depend only on (seed, spec), not on where it is built."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed * 1_000_003 + spec.index)
+        layer = layer_class(spec, cfg)(cfg)
+        init_weights(layer, cfg)
+    return tag_layer(layer, spec).to(device)
+
+
+def empty_layer(spec: LayerSpec, cfg: ModelConfig, device: torch.device | str) -> nn.Module:
+    """Layer `spec` with uninitialised storage on `device`, for weights about to be loaded."""
+    with torch.device("meta"):
+        layer = layer_class(spec, cfg)(cfg)
+    return tag_layer(layer.to_empty(device=device), spec)
+
+
+def tag_layer(layer: nn.Module, spec: LayerSpec) -> nn.Module:
+    """Tell a block its number (0-based), for per-block options such as MoD capacities."""
+    if spec.is_block:
+        layer.index = spec.block
+    return layer
+
+
+def param_count(layer: nn.Module) -> int:
+    return sum(p.numel() for p in layer.parameters())
+
+
+def layer_param_counts(cfg: ModelConfig) -> list[int]:
+    """Parameters per layer without allocating weights (built on the meta device)."""
+    with torch.device("meta"):
+        return [param_count(layer_class(s, cfg)(cfg)) for s in layer_specs(cfg)]

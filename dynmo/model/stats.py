@@ -1,0 +1,47 @@
+"""Per-layer statistics of a step (MoE loads, MoD rows, skipped attention tiles, exits).
+
+A layer accumulates them over the forwards (microbatches) of one step in a `StepStats` and
+exposes a summary as `layer.last_stats` ({} before its first forward), cleared by
+`layer.reset_stats()`. Forwards that are not training work (a probe that measures how much a
+block changed) run under `paused()`, so they leave every layer's statistics as they were.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+_paused = 0
+
+
+@contextmanager
+def paused() -> Iterator[None]:
+    """Forwards inside this block add nothing to any `StepStats`."""
+    global _paused
+    _paused += 1
+    try:
+        yield
+    finally:
+        _paused -= 1
+
+
+class StepStats:
+    """Sums of per-forward quantities since the last reset. Values are python numbers/lists."""
+
+    def __init__(self):
+        self.forwards = 0
+        self.sums: dict[str, float | list[float]] = {}
+
+    def add(self, **values) -> None:
+        if _paused:
+            return
+        self.forwards += 1
+        for key, v in values.items():
+            if isinstance(v, list):
+                old = self.sums.get(key)
+                self.sums[key] = v if old is None else [a + b for a, b in zip(old, v)]
+            else:
+                self.sums[key] = self.sums.get(key, 0) + v
+
+    def mean(self, key: str) -> float:
+        return self.sums[key] / self.forwards if self.forwards else 0.0

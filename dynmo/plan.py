@@ -1,0 +1,84 @@
+"""What a config asks of the pipeline, parsed: ranks, the initial layout, forced re-layouts. Pure.
+
+The checks (`dynmo.checks`) call these to reject a bad config before any process starts; the
+trainer calls them to get the values.
+"""
+
+from __future__ import annotations
+
+from dynmo.balance import Problem, balance
+from dynmo.config import Config, ConfigError
+from dynmo.layout import Layout, LayoutError
+
+
+def num_layers(cfg: Config) -> int:
+    """Layers the pipeline moves: the embedding, the blocks, the head."""
+    return cfg.model.n_layers + 2
+
+
+def resolve_pp(cfg: Config, world: int) -> int:
+    """Pipeline ranks: `parallel.pp`, or the world size over the data-parallel replicas."""
+    p = cfg.parallel
+    if p.dp < 1:
+        raise ConfigError(f"parallel.dp must be >= 1, got {p.dp}")
+    if p.pp:
+        return p.pp
+    if world % p.dp:
+        raise ConfigError(f"{world} ranks cannot be split into parallel.dp={p.dp} replicas")
+    return world // p.dp
+
+
+def explicit_layout(text: str, cfg: Config, num_stages: int, where: str) -> Layout:
+    try:
+        layout = Layout.parse(text, num_layers(cfg))
+    except LayoutError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    if layout.num_stages != num_stages:
+        raise ConfigError(
+            f"{where}: layout {layout} has {layout.num_stages} stages but the pipeline has {num_stages}"
+        )
+    return layout
+
+
+def initial_layout(cfg: Config, num_stages: int, layer_params: list[int] | None = None) -> Layout:
+    """`parallel.layout`: uniform (Megatron), params (DeepSpeed's partition of `layer_params`)
+    or explicit boundaries / sizes."""
+    spec = cfg.parallel.layout.strip().lower()
+    if spec == "uniform":
+        return Layout.uniform(num_layers(cfg), num_stages)
+    if spec == "params":
+        if layer_params is None:
+            raise ValueError("parallel.layout = params needs the layers' parameter counts")
+        return Layout(tuple(balance(Problem(costs=layer_params, stages=num_stages), "deepspeed").boundaries))
+    return explicit_layout(cfg.parallel.layout, cfg, num_stages, "parallel.layout")
+
+
+def parse_relayouts(cfg: Config, num_stages: int) -> dict[int, Layout]:
+    """`parallel.relayout` entries "STEP:LAYOUT" -> {step: layout}; a layout with fewer stages is
+    a re-pack, and later entries apply to the shrunk pipeline."""
+    out: dict[int, Layout] = {}
+    for entry in cfg.parallel.relayout:
+        if ":" not in entry:
+            raise ConfigError(f"parallel.relayout entry {entry!r} must look like STEP:LAYOUT, e.g. 5:0,3,6,10")
+        step_s, lay = entry.split(":", 1)
+        try:
+            step = int(step_s)
+        except ValueError:
+            raise ConfigError(f"parallel.relayout entry {entry!r}: step {step_s!r} is not an integer") from None
+        where = f"parallel.relayout entry {entry!r}"
+        try:
+            layout = Layout.parse(lay, num_layers(cfg))
+        except LayoutError as e:
+            raise ConfigError(f"{where}: {e}") from None
+        if layout.num_stages != num_stages:
+            if layout.num_stages > num_stages:
+                raise ConfigError(f"{where}: layout {layout} has {layout.num_stages} stages, the pipeline has "
+                                  f"{num_stages} and cannot grow")
+            if cfg.parallel.virtual_stages != 1:
+                raise ConfigError(f"{where}: re-packing onto fewer stages needs one stage per rank "
+                                  f"(schedule gpipe or 1f1b), not {cfg.parallel.schedule}")
+            num_stages = layout.num_stages
+        out[step] = layout
+    if list(out) != sorted(out):
+        raise ConfigError("parallel.relayout entries must be in step order")
+    return out

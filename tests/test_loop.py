@@ -1,0 +1,87 @@
+"""The DynMo loop (dynmo.loop): what it observes from a step record, and that the trainer and
+the simulator's replay, which both drive it, make the same decisions from the same costs."""
+
+from __future__ import annotations
+
+import pytest
+
+from dynmo.config import BalanceConfig, ConfigError
+from dynmo.layout import Layout
+from dynmo.loop import DynmoLoop, check_balance
+from dynmo.record import StepRecord
+from dynmo.sim.replay import ReplayOptions, replay, replay_balance
+from dynmo.sim.trace import load_trace
+from tests.conftest import metrics, run_train
+
+
+def loop(**knobs) -> DynmoLoop:
+    return DynmoLoop(BalanceConfig(**knobs), microbatches=4, schedule="1f1b", layer_params=[100, 10, 10, 10, 100])
+
+
+def test_observe_reads_costs_memory_microbatches_and_refits_migrations():
+    lp = loop(when="every", every=1, window=1)
+    lp.controller.speeds = [1.0, 0.5]
+    rec = StepRecord(step=0, layout=[0, 2, 5], microbatches=2, layer_cost_s=[1.0, 2.0, 3.0, 4.0, 5.0],
+                     layer_state_bytes=[10.0] * 5, layer_act_bytes=[1.0] * 5, profile_s=0.25,
+                     events=[{"type": "migration", "bytes": 2_000_000, "seconds": 0.02}, {"type": "dynamism"}])
+    lp.observe(rec)
+    ctl = lp.controller
+    # time on a worker of speed 0.5 is twice the worker-free cost: layers 2..4 run on worker 1
+    assert list(ctl.history[-1]) == [1.0, 2.0, 1.5, 2.0, 2.5]
+    assert ctl.microbatches == 2 and lp.layer_bytes == [10] * 5 and lp.profile_s == 0.25
+    # 1F1B on 2 stages with 2 microbatches holds at most 2 in flight
+    assert ctl.memory == [12.0] * 5
+    assert ctl.bandwidth == pytest.approx(2_000_000 / (0.02 - ctl.fixed_s))
+
+
+def test_params_cost_follows_pruning_density():
+    lp = loop(when="every", every=1, window=1, cost="params")
+    lp.observe(StepRecord(step=0, layout=[0, 2, 5], stats={"prune_density": [None, 0.5, 0.25, 1.0, None]}))
+    assert list(lp.controller.history[-1]) == [100, 5.0, 2.5, 10.0, 100]
+
+
+def test_applied_drops_the_forecast_and_resets_profile_time():
+    lp = loop(when="auto", window=2)
+    for k in range(2):
+        lp.observe(StepRecord(step=k, layout=[0, 2, 5], layer_cost_s=[5.0, 1.0, 1.0, 1.0, 1.0], profile_s=0.1))
+    d = lp.decide(2, Layout((0, 2, 5)), 100)
+    assert d is not None and d.layout.boundaries == (0, 1, 5)
+    assert lp.event(d, 0.001)["profile_s"] == pytest.approx(0.2)
+    lp.applied(4)
+    assert not lp.controller.history and lp.profile_s == 0.0 and lp.decide(3, d.layout, 100) is None
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("when", "sometimes", "balance.when"), ("cost", "flops", "balance.cost"), ("balancer", "diffusion", "contiguity"),
+    ("window", 0, "window"), ("repack_tolerance", -0.1, "repack_tolerance"), ("links", "slow", "balance.links"),
+    ("memory_gb", -1.0, "memory_gb"), ("speeds", [1.0, 0.0], "speeds"),
+])
+def test_one_validation_of_the_balance_section(field, value, match):
+    with pytest.raises(ConfigError, match=match):
+        check_balance(BalanceConfig(**{field: value}))
+    with pytest.raises(ConfigError, match=match):  # the loop and the replay use the same check
+        DynmoLoop(BalanceConfig(**{field: value}), microbatches=4, schedule="1f1b", layer_params=[1, 1])
+
+
+@pytest.mark.dist
+def test_replay_makes_the_trainers_decision_from_the_traced_costs(tmp_path):
+    """A real run of the skewed model under `auto` records the costs its loop observed; the
+    replay of that trace at the traced shape, with the same [balance] section, must decide the
+    same first migration at the same step. (Later decisions may differ only through the
+    migration cost model, which the run refits from measured seconds and the replay from
+    simulated ones.) Links are left out of both: the replay has no measured link times."""
+    trace_path = tmp_path / "run.trace.jsonl"
+    run_train(tmp_path / "run", "--steps", "12", "--skew.blocks", "0", "--skew.factor", "8", "--skew.start_step", "3",
+              "--parallel.layout", "0,3,6", "--balance.when", "auto", "--balance.links", "free",
+              "--trace", str(trace_path))
+    recs = metrics(tmp_path / "run")
+    real = [(r["step"], e["new"]) for r in recs for e in r["events"] if e["type"] == "migration"]
+    assert real, "the skewed run made no migration"
+    trace = load_trace(trace_path)
+    opts = ReplayOptions(balance=replay_balance(when="auto"), initial="uniform", charge_decide=False)
+    (res,) = replay(trace, None, None, ["optimal"], opts)
+    # the replay starts from uniform, which for 6 layers on 2 stages is the run's [0, 3, 6]
+    assert res.layouts[0] == [0, 3, 6]
+    changes = [(k, res.layouts[k]) for k in range(1, len(res.layouts)) if res.layouts[k] != res.layouts[k - 1]]
+    assert changes, f"the replay made no migration; the run moved at {real}"
+    assert changes[0] == real[0], f"replay {changes} vs run {real}"
