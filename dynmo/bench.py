@@ -59,6 +59,7 @@ CASES = [
     BenchCase("pruning", "configs/pruning.toml", "dynamism", 24, 30, 48),
     BenchCase("freezing", "configs/freezing.toml", "dynamism", 24, 30, 48),
     BenchCase("earlyexit", "configs/earlyexit.toml", "auto", 24, 30, 48),
+    BenchCase("mixtral", "configs/mixtral.toml", "auto", 16, 8, 32),
 ]
 SIM_POLICIES = ["uniform", "params", "optimal", "optimal+repack", "deepspeed", "diffusion-contiguous", "oracle"]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from dynmo import hf_config
 from dynmo.config import Config, ConfigError
 from dynmo.loop import check_balance
 from dynmo.plan import explicit_layout, num_layers, parse_relayouts, resolve_pp
@@ -19,6 +20,7 @@ MODEL_SHAPE_FIELDS = ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers",
 
 def validate(cfg: Config, world: int) -> None:
     """Raise ConfigError naming the problem and the fix. `world` = number of ranks."""
+    hf_config.apply(cfg)  # first: model.hf_path's config.json overwrites [model], which the checks below read
     m, t, p = cfg.model, cfg.train, cfg.parallel
     try:
         schedule = get_schedule(p.schedule)
@@ -46,11 +48,12 @@ def validate(cfg: Config, world: int) -> None:
             f"{stages} pipeline stages but only {n} layers (embedding + {m.n_layers} blocks + head); "
             "every stage needs at least one layer: use fewer ranks/virtual stages or more model.n_layers"
         )
-    if m.d_model % m.n_heads:
+    if m.d_model % m.n_heads and not (m.family != "gpt" and m.head_dim):
         raise ConfigError(f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads}")
     for name in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "mlp_ratio"):
         if getattr(m, name) < 1:
             raise ConfigError(f"model.{name} must be >= 1")
+    check_family(m)
     if t.steps < 0 or t.microbatches < 1 or t.global_batch < 1:
         raise ConfigError("train.steps must be >= 0, train.microbatches and train.global_batch >= 1")
     if t.global_batch % p.dp:
@@ -107,7 +110,7 @@ def validate(cfg: Config, world: int) -> None:
     if cfg.prune.enabled:
         from dynmo.dynamics.prune import check_options as check_prune
 
-        check_prune(cfg.prune)
+        check_prune(cfg.prune, m)
     if cfg.freeze.enabled:
         from dynmo.dynamics.freeze import check_options as check_freeze
 
@@ -132,6 +135,26 @@ def validate(cfg: Config, world: int) -> None:
             raise ConfigError(str(e)) from None
     if cfg.checkpoint.resume:
         check_checkpoint(cfg, cfg.checkpoint.resume)
+
+
+def check_family(m) -> None:
+    """The model family and its block exist, and the family's options are ones it implements."""
+    from dynmo.model.layers import block_class  # torch: only once the simple checks passed
+
+    try:
+        block_class(m)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if m.family == "gpt":
+        return
+    kv = m.n_kv_heads or m.n_heads
+    if m.n_kv_heads < 0 or m.head_dim < 0 or m.intermediate_size < 0 or m.n_heads % kv:
+        raise ConfigError(f"model.n_heads={m.n_heads} must be a multiple of model.n_kv_heads={m.n_kv_heads} "
+                          "(0 = n_heads), and head_dim / intermediate_size >= 0 (0 = derived)")
+    if m.dropout:
+        raise ConfigError(f"model.dropout={m.dropout}: the {m.family} family has no dropout (set model.dropout = 0)")
+    if not m.rope_theta > 0 or not m.norm_eps > 0:
+        raise ConfigError(f"model.rope_theta={m.rope_theta} and model.norm_eps={m.norm_eps} must be > 0")
 
 
 def check_checkpoint(cfg: Config, path: str) -> dict:

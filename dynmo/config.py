@@ -56,8 +56,21 @@ class ModelConfig:
     n_heads: int = 4
     n_layers: int = 8  # transformer blocks; the pipeline moves n_layers + 2 layers (E, t..., L)
     mlp_ratio: int = 4
-    dropout: float = 0.0  # 0 keeps runs bitwise reproducible across layouts
-    block: str = "dense"  # block variant (dynmo.model.layers.BLOCKS): dense | moe | hashattn | mod
+    dropout: float = 0.0  # 0 keeps runs bitwise reproducible across layouts (gpt family only)
+    family: str = "gpt"  # model family (dynmo.model.layers.FAMILIES): gpt | llama | mixtral
+    block: str = "dense"  # block variant of the family: gpt: dense | moe | hashattn | mod; llama: dense; mixtral: moe
+    # llama / mixtral families
+    n_kv_heads: int = 0  # key/value heads (grouped-query attention); 0 = n_heads
+    head_dim: int = 0  # 0 = d_model / n_heads
+    intermediate_size: int = 0  # SwiGLU width; 0 = mlp_ratio * d_model
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    attention_bias: bool = False  # biases on the q, k, v projections (qwen2)
+    tie_embeddings: bool = False  # input and output embeddings shared (not implemented yet: rejected)
+    # A Hugging Face checkpoint folder (config.json, safetensors, tokenizer.json): the architecture
+    # comes from its config.json (overriding the fields above), the initial weights from its
+    # safetensors files and the tokenizer from its tokenizer.json.
+    hf_path: str = ""
     moe: MoEConfig = field(default_factory=MoEConfig)  # [model.moe]
     hashattn: HashAttnConfig = field(default_factory=HashAttnConfig)  # [model.hashattn]
     mod: MoDConfig = field(default_factory=MoDConfig)  # [model.mod]

@@ -58,6 +58,9 @@ def check_options(e: EarlyExitConfig, cfg) -> None:
         raise ConfigError(f"early_exit.saturation={e.saturation} must be in [-1, 1] (a cosine similarity)")
     if e.start_step < 0 or e.aux_loss_coef < 0:
         raise ConfigError("early_exit.start_step and early_exit.aux_loss_coef must be >= 0")
+    if cfg.model.family != "gpt":
+        raise ConfigError(f"early_exit computes active tokens with the gpt family's block; model.family="
+                          f"{cfg.model.family!r} has no such path yet (set early_exit.enabled = false)")
     if cfg.model.block != "dense":
         raise ConfigError(
             f"early_exit works on the dense block; model.block={cfg.model.block!r} routes tokens itself "

@@ -49,9 +49,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from dynmo.config import ConfigError, PruneConfig
+from dynmo.config import ConfigError, ModelConfig, PruneConfig
 from dynmo.dynamics.case import Case, Host
 from dynmo.dynamics.topk import global_keep, group_sum
+from dynmo.model.layers import block_class
 from dynmo.model.sparse import KERNELS, PrunedLinear, set_mask, time_kernels
 
 PRUNABLE = ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")  # Linear modules of a block
@@ -60,7 +61,7 @@ PRUNABLE = ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")  # Linear modules of 
 # ---- schedule ---------------------------------------------------------------------------------
 
 
-def check_options(p: PruneConfig) -> None:
+def check_options(p: PruneConfig, model: ModelConfig | None = None) -> None:
     if not 0.0 <= p.initial_sparsity < 1.0 or not 0.0 <= p.final_sparsity < 1.0:
         raise ConfigError(
             f"prune.initial_sparsity={p.initial_sparsity} and prune.final_sparsity={p.final_sparsity} "
@@ -76,6 +77,14 @@ def check_options(p: PruneConfig) -> None:
         raise ConfigError(f"prune.kernel={p.kernel!r}; use auto (measure per layer), dense or csr")
     if p.structured and p.kernel == "csr":
         raise ConfigError("prune.structured = true shrinks dense matrices; it has no CSR kernel (use kernel = auto or dense)")
+    if model is not None:
+        cls = block_class(model)
+        if not getattr(cls, "prunable", None):
+            raise ConfigError(f"pruning needs blocks with prunable Linears; model.block={model.block!r} of "
+                              f"model.family={model.family!r} has none (prune.enabled = false, or another block)")
+        if p.structured and not getattr(cls, "mlp_units", None):
+            raise ConfigError(f"prune.structured = true removes GPT MLP units; model.family={model.family!r} "
+                              f"model.block={model.block!r} has none (use prune.structured = false)")
 
 
 def sparsity_at(step: int, p: PruneConfig) -> float | None:
@@ -130,12 +139,14 @@ class Prune(Case):
     def __init__(self, host: Host):
         super().__init__(host)
         self.opts: PruneConfig = host.cfg.prune
-        check_options(self.opts)
+        check_options(self.opts, host.cfg.model)
         m = host.cfg.model
         self.rows = host.microbatch * m.seq_len  # tokens per microbatch: the timing input
-        d, h = m.d_model, m.mlp_ratio * m.d_model
-        self.full_size = 3 * d * d + d * d + d * h + h * d  # Linear weights of one block
-        self.full_hidden = h
+        with torch.device("meta"):  # the block as built, to count what pruning starts from
+            block = block_class(m)(m)
+        self.names: tuple[str, ...] = block.prunable
+        self.full_size = sum(block.get_submodule(n).weight.numel() for n in self.names)  # Linear weights of one block
+        self.full_hidden = block.mlp.fc.out_features if self.opts.structured else 0
         self.kernel: dict[int, str] = {}  # layer index -> chosen kernel (unstructured, after pruning)
         self.timings: dict[int, dict[str, float]] = {}
         self.sparsity = 0.0
@@ -174,9 +185,8 @@ class Prune(Case):
         per_block = {i: {n: lin.weight.detach() != 0 for n, lin in self._linears(b).items()} for i, b in blocks.items()}
         self._apply_masks(blocks, per_block)
 
-    @staticmethod
-    def _linears(block: nn.Module) -> dict[str, nn.Module]:
-        return {name: block.get_submodule(name) for name in PRUNABLE}
+    def _linears(self, block: nn.Module) -> dict[str, nn.Module]:
+        return {name: block.get_submodule(name) for name in self.names}
 
     # ---- hooks ----
     def before_step(self, step: int) -> list[dict]:

@@ -80,6 +80,9 @@ class Block(nn.Module):
     the mask, which costs a dense model nothing.
     """
 
+    prunable = ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")  # its Linears, for weight pruning
+    mlp_units = ("mlp.fc", "mlp.proj")  # the MLP's in and out Linears, for structured pruning
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model)

@@ -114,6 +114,9 @@ class HashSparseAttention(CausalSelfAttention):
 class HashAttnBlock(nn.Module):
     """Pre-norm block with hash-sparse causal attention (see module docstring)."""
 
+    prunable = ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")  # its Linears, for weight pruning
+    mlp_units = ("mlp.fc", "mlp.proj")  # the MLP's in and out Linears, for structured pruning
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.opts = cfg.hashattn

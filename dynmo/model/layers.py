@@ -5,9 +5,10 @@ can build any layer: at start-up the layers of its stages, later a layer that mi
 `build_layer` seeds each layer from (seed, layer index), so a layer has the same initial
 weights wherever it is built.
 
-The block variant is chosen by `model.block` from `BLOCKS`, the one table of block classes:
-each takes `(cfg: ModelConfig)` and maps `(x, mask) -> (x, mask)` with the shapes of
-`dynmo.model.gpt.Block`.
+A model family (`FAMILIES`, chosen by `model.family`) supplies the embedding, the head, its
+block variants (chosen by `model.block`) and its initialisation. Every block takes
+`(cfg: ModelConfig)` and maps `(x, mask) -> (x, mask)` with fixed shapes; the runtime, the
+balancers and the cases ask the spec what a layer is (`is_block`), never its class.
 """
 
 from __future__ import annotations
@@ -17,14 +18,37 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from typing import Callable
+
 from dynmo.config import ModelConfig
-from dynmo.model.gpt import Block, Embedding, Head, init_weights
+from dynmo.model import gpt, llama, mixtral
 from dynmo.model.hashattn import HashAttnBlock
 from dynmo.model.mod import MoDBlock
 from dynmo.model.moe import MoEBlock
 
-BLOCKS: dict[str, type[nn.Module]] = {"dense": Block, "moe": MoEBlock, "hashattn": HashAttnBlock, "mod": MoDBlock}
-ENDS = {"E": Embedding, "L": Head}
+
+@dataclass(frozen=True)
+class Family:
+    embedding: type[nn.Module]
+    head: type[nn.Module]
+    blocks: dict[str, type[nn.Module]]  # model.block -> block class
+    init_weights: Callable[[nn.Module, ModelConfig], None]
+
+
+FAMILIES: dict[str, Family] = {
+    "gpt": Family(gpt.Embedding, gpt.Head,
+                  {"dense": gpt.Block, "moe": MoEBlock, "hashattn": HashAttnBlock, "mod": MoDBlock}, gpt.init_weights),
+    "llama": Family(llama.Embedding, llama.Head, {"dense": llama.Block}, llama.init_weights),
+    "mixtral": Family(llama.Embedding, llama.Head, {"moe": mixtral.Block}, llama.init_weights),
+}
+BLOCKS = FAMILIES["gpt"].blocks  # the GPT's block variants
+
+
+def family(cfg: ModelConfig) -> Family:
+    try:
+        return FAMILIES[cfg.family]
+    except KeyError:
+        raise ValueError(f"unknown model.family {cfg.family!r}; known: {', '.join(FAMILIES)}") from None
 
 
 @dataclass(frozen=True)
@@ -59,13 +83,20 @@ def layer_specs(cfg: ModelConfig) -> list[LayerSpec]:
     ]
 
 
+def block_class(cfg: ModelConfig) -> type[nn.Module]:
+    fam = family(cfg)
+    try:
+        return fam.blocks[cfg.block]
+    except KeyError:
+        raise ValueError(f"model.block {cfg.block!r} is not a block of model.family {cfg.family!r}; "
+                         f"its blocks: {', '.join(fam.blocks)}") from None
+
+
 def layer_class(spec: LayerSpec, cfg: ModelConfig) -> type[nn.Module]:
     if not spec.is_block:
-        return ENDS[spec.letter]
-    try:
-        return BLOCKS[cfg.block]
-    except KeyError:
-        raise ValueError(f"unknown model.block {cfg.block!r}; known: {sorted(BLOCKS)}") from None
+        fam = family(cfg)
+        return fam.embedding if spec.letter == "E" else fam.head
+    return block_class(cfg)
 
 
 def build_layer(spec: LayerSpec, cfg: ModelConfig, seed: int, device: torch.device | str = "cpu") -> nn.Module:
@@ -73,7 +104,7 @@ def build_layer(spec: LayerSpec, cfg: ModelConfig, seed: int, device: torch.devi
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed * 1_000_003 + spec.index)
         layer = layer_class(spec, cfg)(cfg)
-        init_weights(layer, cfg)
+        family(cfg).init_weights(layer, cfg)
     return tag_layer(layer, spec).to(device)
 
 

@@ -52,6 +52,9 @@ MoDOptions = MoDConfig  # options live in the config ([model.mod])
 class MoDBlock(nn.Module):
     """Pre-norm block that processes only the router's top-k tokens of each sequence."""
 
+    prunable = ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")  # its Linears, for weight pruning
+    mlp_units = ("mlp.fc", "mlp.proj")  # the MLP's in and out Linears, for structured pruning
+
     index: int | None = None  # block number (0-based); set by gpt.tag_layer, needed only for `capacities`
 
     def __init__(self, cfg: ModelConfig):

@@ -93,41 +93,87 @@ class MoELayer(nn.Module):
         self.experts = Experts(opts.num_experts, d_model, hidden, dropout)
 
     def route(self, x: torch.Tensor) -> Routing:
-        E, k = self.opts.num_experts, self.opts.top_k
-        N = x.shape[0]
-        probs = F.softmax(self.router(x), dim=-1)
-        top_p, top_e = probs.topk(k, dim=-1)  # [N, k]
-        if self.opts.norm_topk_prob:
-            top_p = top_p / top_p.sum(-1, keepdim=True)
-        # Assignments in priority order: every token's first choice, then second choices, ...
-        expert = top_e.t().reshape(-1)
-        weight = top_p.t().reshape(-1)
-        token = torch.arange(N, device=x.device).repeat(k)
-        onehot = F.one_hot(expert, E)
-        slot = (onehot.cumsum(0) - 1).gather(1, expert[:, None]).squeeze(1)  # rank within its expert
-        loads = onehot.sum(0)
-        rows = int(loads.max()) if N else 0
-        if self.opts.capacity_factor > 0:
-            cap = math.ceil(self.opts.capacity_factor * N * k / E)
-            keep = slot < cap
-            expert, token, weight, slot = expert[keep], token[keep], weight[keep], slot[keep]
-            rows = min(rows, cap)
-        return Routing(probs, expert, token, weight, slot, loads, rows)
+        return route(self.router(x), self.opts)
 
     def aux_loss(self, r: Routing) -> torch.Tensor:
-        E = self.opts.num_experts
-        if r.probs.shape[0] == 0:
-            return r.probs.sum()
-        f = r.loads.to(r.probs.dtype) / r.loads.sum()
-        return E * (f * r.probs.mean(0)).sum()
+        return aux_loss(r, self.opts.num_experts)
 
     def forward(self, x: torch.Tensor, r: Routing) -> torch.Tensor:
         """x: [N, D] routed tokens -> [N, D] gate-weighted sum of their experts' outputs."""
-        E, C, D = self.opts.num_experts, r.capacity_rows, x.shape[1]
-        flat = r.expert * C + r.slot
-        buf = x.new_zeros(E * C, D).index_copy(0, flat, x[r.token])
-        y = self.experts(buf.view(E, C, D)).reshape(E * C, D)
-        return x.new_zeros(x.shape).index_add(0, r.token, y[flat] * r.weight[:, None])
+        return dispatch(x, r, self.experts, self.opts.num_experts)
+
+
+def route(logits: torch.Tensor, opts: MoEOptions) -> Routing:
+    """Top-k token choice from router logits [N, E] (see the module docstring)."""
+    E, k = opts.num_experts, opts.top_k
+    N = logits.shape[0]
+    probs = F.softmax(logits, dim=-1)
+    top_p, top_e = probs.topk(k, dim=-1)  # [N, k]
+    if opts.norm_topk_prob:
+        top_p = top_p / top_p.sum(-1, keepdim=True)
+    # Assignments in priority order: every token's first choice, then second choices, ...
+    expert = top_e.t().reshape(-1)
+    weight = top_p.t().reshape(-1)
+    token = torch.arange(N, device=logits.device).repeat(k)
+    onehot = F.one_hot(expert, E)
+    slot = (onehot.cumsum(0) - 1).gather(1, expert[:, None]).squeeze(1)  # rank within its expert
+    loads = onehot.sum(0)
+    rows = int(loads.max()) if N else 0
+    if opts.capacity_factor > 0:
+        cap = math.ceil(opts.capacity_factor * N * k / E)
+        keep = slot < cap
+        expert, token, weight, slot = expert[keep], token[keep], weight[keep], slot[keep]
+        rows = min(rows, cap)
+    return Routing(probs, expert, token, weight, slot, loads, rows)
+
+
+def aux_loss(r: Routing, num_experts: int) -> torch.Tensor:
+    """Switch/Mixtral load-balancing loss of one layer: E * sum_e f_e * P_e."""
+    if r.probs.shape[0] == 0:
+        return r.probs.sum()
+    f = r.loads.to(r.probs.dtype) / r.loads.sum()
+    return num_experts * (f * r.probs.mean(0)).sum()
+
+
+def dispatch(x: torch.Tensor, r: Routing, experts: nn.Module, num_experts: int) -> torch.Tensor:
+    """Run `experts` ([E, C, D] -> [E, C, D]) on the routed tokens x [N, D], padded to the
+    busiest expert, and return the gate-weighted sum of each token's experts' outputs."""
+    E, C, D = num_experts, r.capacity_rows, x.shape[1]
+    flat = r.expert * C + r.slot
+    buf = x.new_zeros(E * C, D).index_copy(0, flat, x[r.token])
+    y = experts(buf.view(E, C, D)).reshape(E * C, D)
+    return x.new_zeros(x.shape).index_add(0, r.token, y[flat] * r.weight[:, None])
+
+
+def routing_stats(r: Routing, aux: torch.Tensor, n_active: int, num_experts: int) -> dict:
+    """One forward's routing figures for `StepStats.add` (see the module docstring)."""
+    loads = r.loads.tolist()
+    mean = sum(loads) / len(loads)
+    return dict(
+        tokens_per_expert=loads,
+        routing_imbalance=max(loads) / mean if mean else 1.0,
+        expert_rows=num_experts * r.capacity_rows,
+        useful_rows=int(r.expert.numel()),
+        dropped=sum(loads) - int(r.expert.numel()),
+        active_tokens=n_active,
+        aux_loss=float(aux),
+    )
+
+
+def routing_summary(s: StepStats) -> dict:
+    """A step's routing statistics from the forwards' sums ({} before the first forward)."""
+    if not s.forwards:
+        return {}
+    return {
+        "tokens_per_expert": s.sums["tokens_per_expert"],
+        "routing_imbalance": s.mean("routing_imbalance"),
+        "expert_rows": s.sums["expert_rows"],
+        "useful_rows": s.sums["useful_rows"],
+        "dropped": s.sums["dropped"],
+        "active_tokens": s.sums["active_tokens"],
+        "aux_loss": s.mean("aux_loss"),
+        "forwards": s.forwards,
+    }
 
 
 class MoEBlock(nn.Module):
@@ -147,19 +193,7 @@ class MoEBlock(nn.Module):
 
     @property
     def last_stats(self) -> dict:
-        s = self._stats
-        if not s.forwards:
-            return {}
-        return {
-            "tokens_per_expert": s.sums["tokens_per_expert"],
-            "routing_imbalance": s.mean("routing_imbalance"),
-            "expert_rows": s.sums["expert_rows"],
-            "useful_rows": s.sums["useful_rows"],
-            "dropped": s.sums["dropped"],
-            "active_tokens": s.sums["active_tokens"],
-            "aux_loss": s.mean("aux_loss"),
-            "forwards": s.forwards,
-        }
+        return routing_summary(self._stats)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor):
         x, aux = self.forward_with_aux(x, mask)
@@ -181,14 +215,4 @@ class MoEBlock(nn.Module):
 
     @torch.no_grad()
     def _record(self, r: Routing, aux: torch.Tensor, n_active: int) -> None:
-        loads = r.loads.tolist()
-        mean = sum(loads) / len(loads)
-        self._stats.add(
-            tokens_per_expert=loads,
-            routing_imbalance=max(loads) / mean if mean else 1.0,
-            expert_rows=self.opts.num_experts * r.capacity_rows,
-            useful_rows=int(r.expert.numel()),
-            dropped=sum(loads) - int(r.expert.numel()),
-            active_tokens=n_active,
-            aux_loss=float(aux),
-        )
+        self._stats.add(**routing_stats(r, aux, n_active, self.opts.num_experts))

@@ -1,0 +1,93 @@
+"""Mixtral-family block: the Llama block with a sparse Mixture-of-Experts SwiGLU MLP.
+
+Routing is Mixtral's (`dynmo.model.moe.route`): router logits (`block_sparse_moe.gate`) ->
+softmax over experts -> top-k experts per token -> their probabilities renormalised to sum to 1;
+dropless by default, `moe.capacity_factor` > 0 caps each expert's assignments. Each expert is a
+SwiGLU MLP, `w2(silu(w1 x) * w3 x)`; the experts' weights are stacked per projection
+(`block_sparse_moe.experts.w1` is [experts, intermediate, d_model], expert j's row is
+Hugging Face's `experts.{j}.w1.weight`).
+
+As in the GPT MoE block, the experts run padded to the busiest expert (one batched matmul over
+an [experts, rows, d_model] buffer), so the layer's measured time follows the routing imbalance
+the way expert-parallel hardware does; padding rows are zeros whose outputs are discarded.
+The load-balancing loss (`moe.aux_loss_coef`) is this block's own Switch/Mixtral loss, carried
+into the backward pass by `attach_aux_loss`. (transformers adds one loss over all layers'
+router logits pooled, and only with `output_router_logits`; a pipeline stage sees only its own
+layers, so dynmo sums the per-layer losses.)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dynmo.config import ModelConfig
+from dynmo.model.aux_loss import attach_aux_loss
+from dynmo.model.llama import Attention, RMSNorm, intermediate_size
+from dynmo.model.moe import aux_loss, dispatch, route, routing_stats, routing_summary
+from dynmo.model.stats import StepStats
+
+
+class SwiGLUExperts(nn.Module):
+    """E SwiGLU MLPs applied to an [E, C, D] buffer with batched matmuls."""
+
+    def __init__(self, num_experts: int, d_model: int, inter: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, inter, d_model))
+        self.w2 = nn.Parameter(torch.empty(num_experts, d_model, inter))
+        self.w3 = nn.Parameter(torch.empty(num_experts, inter, d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.silu(torch.bmm(x, self.w1.transpose(1, 2))) * torch.bmm(x, self.w3.transpose(1, 2))
+        return torch.bmm(h, self.w2.transpose(1, 2))
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        o = cfg.moe
+        if not 1 <= o.top_k <= o.num_experts:
+            raise ValueError(f"moe.top_k={o.top_k} must be in 1..moe.num_experts={o.num_experts}")
+        self.opts = o
+        self.gate = nn.Linear(cfg.d_model, o.num_experts, bias=False)
+        self.experts = SwiGLUExperts(o.num_experts, cfg.d_model, intermediate_size(cfg))
+
+
+class Block(nn.Module):
+    """Pre-norm decoder block whose MLP is a sparse MoE (t)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.opts = cfg.moe
+        self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.block_sparse_moe = SparseMoE(cfg)
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self._stats = StepStats()
+
+    @property
+    def last_stats(self) -> dict:
+        return routing_summary(self._stats)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor):
+        x, aux = self.forward_with_aux(x, mask)
+        return attach_aux_loss(x, aux, self.opts.aux_loss_coef), mask
+
+    def forward_with_aux(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's output and its (unweighted) load-balancing loss."""
+        B, T, D = x.shape
+        x = x + self.self_attn(self.input_layernorm(x))
+        h = self.post_attention_layernorm(x).reshape(B * T, D)
+        active = mask.reshape(-1).nonzero().squeeze(1)
+        routed = h[active]
+        moe = self.block_sparse_moe
+        r = route(moe.gate(routed), self.opts)
+        y = h.new_zeros(h.shape).index_copy(0, active, dispatch(routed, r, moe.experts, self.opts.num_experts))
+        aux = aux_loss(r, self.opts.num_experts)
+        with torch.no_grad():
+            self._stats.add(**routing_stats(r, aux, routed.shape[0], self.opts.num_experts))
+        return x + y.view(B, T, D), aux
