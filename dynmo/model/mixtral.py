@@ -23,10 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dynmo.config import ModelConfig
-from dynmo.model.aux_loss import attach_aux_loss
 from dynmo.model.llama import Attention, RMSNorm, intermediate_size
-from dynmo.model.moe import aux_loss, dispatch, route, routing_stats, routing_summary
-from dynmo.model.stats import StepStats
+from dynmo.model.moe import RoutedBlock, sparse_mlp
 
 
 class SwiGLUExperts(nn.Module):
@@ -54,7 +52,7 @@ class SparseMoE(nn.Module):
         self.experts = SwiGLUExperts(o.num_experts, cfg.d_model, intermediate_size(cfg))
 
 
-class Block(nn.Module):
+class Block(RoutedBlock):
     """Pre-norm decoder block whose MLP is a sparse MoE (t)."""
 
     def __init__(self, cfg: ModelConfig):
@@ -66,28 +64,9 @@ class Block(nn.Module):
         self.block_sparse_moe = SparseMoE(cfg)
         self.reset_stats()
 
-    def reset_stats(self) -> None:
-        self._stats = StepStats()
-
-    @property
-    def last_stats(self) -> dict:
-        return routing_summary(self._stats)
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor):
-        x, aux = self.forward_with_aux(x, mask)
-        return attach_aux_loss(x, aux, self.opts.aux_loss_coef), mask
-
     def forward_with_aux(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's output and its (unweighted) load-balancing loss."""
-        B, T, D = x.shape
         x = x + self.self_attn(self.input_layernorm(x))
-        h = self.post_attention_layernorm(x).reshape(B * T, D)
-        active = mask.reshape(-1).nonzero().squeeze(1)
-        routed = h[active]
         moe = self.block_sparse_moe
-        r = route(moe.gate(routed), self.opts)
-        y = h.new_zeros(h.shape).index_copy(0, active, dispatch(routed, r, moe.experts, self.opts.num_experts))
-        aux = aux_loss(r, self.opts.num_experts)
-        with torch.no_grad():
-            self._stats.add(**routing_stats(r, aux, routed.shape[0], self.opts.num_experts))
-        return x + y.view(B, T, D), aux
+        y, aux = sparse_mlp(self.post_attention_layernorm(x), mask, moe.gate, moe.experts, self.opts, self._stats)
+        return x + y, aux

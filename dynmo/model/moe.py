@@ -176,17 +176,27 @@ def routing_summary(s: StepStats) -> dict:
     }
 
 
-class MoEBlock(nn.Module):
-    """Pre-norm block whose MLP is a sparse MoE (see module docstring)."""
+def sparse_mlp(h: torch.Tensor, mask: torch.Tensor, router: nn.Module, experts: nn.Module, opts: MoEOptions,
+               stats: StepStats) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MoE MLP on the active tokens of h [B, T, D] (inactive ones get zeros): its output and
+    its (unweighted) load-balancing loss; the forward's routing figures go into `stats`."""
+    B, T, D = h.shape
+    h = h.reshape(B * T, D)
+    active = mask.reshape(-1).nonzero().squeeze(1)
+    routed = h[active]
+    r = route(router(routed), opts)
+    y = h.new_zeros(h.shape).index_copy(0, active, dispatch(routed, r, experts, opts.num_experts))
+    aux = aux_loss(r, opts.num_experts)
+    with torch.no_grad():
+        stats.add(**routing_stats(r, aux, routed.shape[0], opts.num_experts))
+    return y.view(B, T, D), aux
 
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.opts = cfg.moe
-        self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.attn = CausalSelfAttention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.moe = MoELayer(cfg.d_model, cfg.mlp_ratio * cfg.d_model, self.opts, cfg.dropout)
-        self.reset_stats()
+
+class RoutedBlock(nn.Module):
+    """What every MoE block shares: its step statistics and its aux loss carried into backward.
+    A subclass sets `opts` (MoEConfig) and defines `forward_with_aux(x, mask) -> (x, aux)`."""
+
+    opts: MoEOptions
 
     def reset_stats(self) -> None:
         self._stats = StepStats()
@@ -199,20 +209,21 @@ class MoEBlock(nn.Module):
         x, aux = self.forward_with_aux(x, mask)
         return attach_aux_loss(x, aux, self.opts.aux_loss_coef), mask
 
+
+class MoEBlock(RoutedBlock):
+    """Pre-norm block whose MLP is a sparse MoE (see module docstring)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.opts = cfg.moe
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.moe = MoELayer(cfg.d_model, cfg.mlp_ratio * cfg.d_model, self.opts, cfg.dropout)
+        self.reset_stats()
+
     def forward_with_aux(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's output and its (unweighted) load-balancing loss, for single-process use."""
-        B, T, D = x.shape
         x = x + self.attn(self.ln1(x))
-        h = self.ln2(x).reshape(B * T, D)
-        active = mask.reshape(-1).nonzero().squeeze(1)
-        routed = h[active]
-        r = self.moe.route(routed)
-        y = h.new_zeros(h.shape).index_copy(0, active, self.moe(routed, r))
-        x = x + y.view(B, T, D)
-        aux = self.moe.aux_loss(r)
-        self._record(r, aux, routed.shape[0])
-        return x, aux
-
-    @torch.no_grad()
-    def _record(self, r: Routing, aux: torch.Tensor, n_active: int) -> None:
-        self._stats.add(**routing_stats(r, aux, n_active, self.opts.num_experts))
+        y, aux = sparse_mlp(self.ln2(x), mask, self.moe.router, self.moe.experts, self.opts, self._stats)
+        return x + y, aux
