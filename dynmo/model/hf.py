@@ -126,7 +126,8 @@ def to_hf(spec: LayerSpec, pname: str, tensor: torch.Tensor, cfg: ModelConfig) -
     names = hf_names(spec.letter, spec.block, pname, cfg.moe.num_experts)
     if pname.startswith(EXPERTS):
         if tensor.shape[0] != len(names):
-            raise HFCheckpointError(f"{spec.name}.{pname} stacks {tensor.shape[0]} experts, the config has {len(names)}")
+            raise HFCheckpointError(f"{spec.name}.{pname} stacks {tensor.shape[0]} experts, "
+                                    f"the config has {len(names)}")
         # clones: safetensors refuses tensors that share storage
         return {name: tensor[j].clone() for j, name in enumerate(names)}
     return {names[0]: tensor}

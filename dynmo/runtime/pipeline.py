@@ -20,6 +20,7 @@ import torch.nn as nn
 from dynmo.config import Config
 from dynmo.layout import Layout, LayoutError
 from dynmo.model.gpt import loss_fn
+from dynmo.model.hf import HFReader, load_layer
 from dynmo.model.layers import LayerSpec, build_layer, empty_layer, layer_specs
 from dynmo.runtime import optim
 from dynmo.runtime.dist import DistContext
@@ -80,14 +81,27 @@ class Pipeline:
         self.microbatches = cfg.train.microbatches  # per replica per step; re-tuned after a re-pack
         self.microbatch = cfg.train.global_batch // ctx.dp // cfg.train.microbatches
         self.released = False  # set when a re-pack took all this rank's layers away
-        self.layers: dict[int, nn.Module] = {
-            i: build_layer(self.specs[i], cfg.model, cfg.train.seed, ctx.device) for i in self._my_layers(layout)
-        }
+        self.hf_read: tuple[int, int] | None = None  # tensors and bytes read from model.hf_path
+        self.layers: dict[int, nn.Module] = self._build_layers(self._my_layers(layout))
         self.optimizer = optim.build_optimizer(self._named_layers(), cfg.train, ctx.device)
         # objects with prepare_layer/pack_layer/unpack_layer (dynamic-model cases): the per-layer
         # structure and state that must travel with a migrating layer
         self.layer_extras: list = []
         self._build_schedule()
+
+    def _build_layers(self, indices: list[int]) -> dict[int, nn.Module]:
+        """This rank's layers at start-up: seeded from (seed, index), or read from a Hugging Face
+        checkpoint (`model.hf_path`: only these layers' tensors are read)."""
+        m, dev = self.cfg.model, self.ctx.device
+        if not m.hf_path:
+            return {i: build_layer(self.specs[i], m, self.cfg.train.seed, dev) for i in indices}
+        layers = {}
+        with HFReader(m.hf_path) as reader:
+            for i in indices:
+                layers[i] = empty_layer(self.specs[i], m, dev)
+                load_layer(layers[i], self.specs[i], m, reader)
+        self.hf_read = (len(reader.names_read), reader.bytes_read)
+        return layers
 
     # ---- placement --------------------------------------------------------------------
     def _check_layout(self, layout: Layout) -> None:
