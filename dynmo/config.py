@@ -58,7 +58,7 @@ class ModelConfig:
     mlp_ratio: int = 4
     dropout: float = 0.0  # 0 keeps runs bitwise reproducible across layouts (gpt family only)
     family: str = "gpt"  # model family (dynmo.model.layers.FAMILIES): gpt | llama | mixtral
-    block: str = "dense"  # block variant of the family: gpt: dense | moe | hashattn | mod; llama: dense; mixtral: moe
+    block: str = "dense"  # block variant of the family: gpt: dense | moe | hashattn | mod; llama: dense | mod | hashattn; mixtral: moe
     # llama / mixtral families
     n_kv_heads: int = 0  # key/value heads (grouped-query attention); 0 = n_heads
     head_dim: int = 0  # 0 = d_model / n_heads

@@ -56,6 +56,10 @@ def read_checkpoint(path: Path) -> tuple[dict, ModelConfig]:
     if cfg.model.family not in ("llama", "mixtral"):
         raise ExportError(f"{path} holds a model.family = {cfg.model.family!r} model, which has no Hugging Face "
                           "counterpart; only llama and mixtral families export")
+    if (cfg.model.family, cfg.model.block) not in (("llama", "dense"), ("mixtral", "moe")):
+        raise ExportError(f"{path} holds {cfg.model.family} blocks of kind {cfg.model.block!r} (a router, hashed "
+                          "attention), which a Hugging Face model does not compute; only dense llama and "
+                          "mixtral blocks export")
     return meta, cfg.model
 
 

@@ -43,12 +43,12 @@ def test_pruning_and_freezing_run_on_llama_blocks(tmp_path):
 
 
 @pytest.mark.parametrize("extra,match", [
-    (["--model.family", "llama", "--model.block", "mod"], "not a block of model.family 'llama'"),
+    (["--model.family", "llama", "--model.block", "moe"], "not a block of model.family 'llama'"),
     (["--model.family", "mixtral"], "not a block of model.family 'mixtral'"),
     (["--model.family", "falcon"], "unknown model.family"),
     (["--model.family", "llama", "--model.n_heads", "4", "--model.n_kv_heads", "3"], "multiple of model.n_kv_heads"),
     (["--model.family", "llama", "--model.dropout", "0.1"], "no dropout"),
-    (["--model.family", "llama", "--early_exit.enabled", "true"], "early_exit"),
+    (["--model.family", "mixtral", "--model.block", "moe", "--early_exit.enabled", "true"], "early_exit"),
     (["--model.family", "llama", "--prune.enabled", "true", "--prune.structured", "true"], "structured"),
     (["--model.family", "mixtral", "--model.block", "moe", "--prune.enabled", "true"], "prunable"),
 ])

@@ -16,8 +16,8 @@ the active tokens is carried into the backward pass by `attach_aux_loss` (coeffi
 `early_exit.aux_loss_coef`); the detached input keeps it from changing the model itself. The
 classifier trains from step 0; tokens exit from `early_exit.start_step` on.
 
-Compute only on active tokens: the case turns on `skip_inactive` in every block
-(`dynmo.model.gpt.Block`), which then computes the active tokens only, with exited tokens still
+Compute only on active tokens: the case turns on `skip_inactive` in every block (the dense
+block of the gpt or the llama family, `Block.active_forward`), which then computes the active tokens only, with exited tokens still
 serving as keys and values with their frozen hidden state (CALM's state propagation), so an
 active token's output is exactly what the dense block would give it. The exit decision is an
 `ExitGate`, a forward hook on the block that runs the classifier on the block's output and
@@ -58,9 +58,9 @@ def check_options(e: EarlyExitConfig, cfg) -> None:
         raise ConfigError(f"early_exit.saturation={e.saturation} must be in [-1, 1] (a cosine similarity)")
     if e.start_step < 0 or e.aux_loss_coef < 0:
         raise ConfigError("early_exit.start_step and early_exit.aux_loss_coef must be >= 0")
-    if cfg.model.family != "gpt":
-        raise ConfigError(f"early_exit computes active tokens with the gpt family's block; model.family="
-                          f"{cfg.model.family!r} has no such path yet (set early_exit.enabled = false)")
+    if cfg.model.family not in ("gpt", "llama"):
+        raise ConfigError(f"early_exit computes active tokens with the gpt and llama families' dense blocks; "
+                          f"model.family={cfg.model.family!r} has no such path yet (set early_exit.enabled = false)")
     if cfg.model.block != "dense":
         raise ConfigError(
             f"early_exit works on the dense block; model.block={cfg.model.block!r} routes tokens itself "

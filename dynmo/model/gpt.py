@@ -45,6 +45,22 @@ class CausalSelfAttention(nn.Module):
         )
         return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
+    def attend_rows(self, h: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Attention output [B, A, C] of the rows at positions idx [B, A] of h [B, T, C]:
+        queries of those rows only, keys and values of every token, causal on positions."""
+        B, T, C = h.shape
+        A, H = idx.shape[1], self.n_heads
+        w, b = self.qkv.weight, self.qkv.bias
+        kv = F.linear(h, w[C:], None if b is None else b[C:])
+        q = F.linear(h.gather(1, idx.unsqueeze(-1).expand(-1, -1, C)), w[:C], None if b is None else b[:C])
+        k, v = kv.split(C, dim=2)
+        q = q.view(B, A, H, C // H).transpose(1, 2)
+        k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in (k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=causal_rows(idx, T), dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.proj(y.transpose(1, 2).contiguous().view(B, A, C))
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -104,33 +120,46 @@ class Block(nn.Module):
     def active_forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The block on the active tokens only; returns the new hidden state and the number of
         rows computed per sequence."""
-        B, T, D = x.shape
-        A = int(mask.sum(1).max())
-        if A == 0:  # no active token: nothing to compute (a copy, never an alias of the input)
-            return x.clone(), 0
-        pos = torch.arange(T, device=x.device)
-        # active positions first (in position order), then inactive ones as padding: distinct
-        # positions, so the scatter below writes every position at most once
-        idx = (pos + T * (~mask)).argsort(dim=1)[:, :A]
-        valid = mask.gather(1, idx)
-        g = idx.unsqueeze(-1).expand(-1, -1, D)
-        attn = self.attn
-        H = attn.n_heads
-        h = self.ln1(x)
-        w, b = attn.qkv.weight, attn.qkv.bias
-        kv = F.linear(h, w[D:], None if b is None else b[D:])  # keys/values of every token
-        q = F.linear(h.gather(1, g), w[:D], None if b is None else b[:D])  # queries of the active ones
-        k, v = kv.split(D, dim=2)
-        q = q.view(B, A, H, D // H).transpose(1, 2)
-        k, v = (t.view(B, T, H, D // H).transpose(1, 2) for t in (k, v))
-        causal = (pos.view(1, 1, T) <= idx.unsqueeze(-1)).unsqueeze(1)  # [B, 1, A, T]
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=causal, dropout_p=attn.dropout if self.training else 0.0
-        )
-        sel = x.gather(1, g)
-        s = sel + attn.proj(y.transpose(1, 2).contiguous().view(B, A, D))
-        new = torch.where(valid.unsqueeze(-1), s + self.mlp(self.ln2(s)), sel)
-        return x.scatter(1, g, new), A
+        return active_update(x, mask, lambda idx: self.attn.attend_rows(self.ln1(x), idx),
+                             lambda s: self.mlp(self.ln2(s)))
+
+
+def active_rows(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sequence, the active positions in position order, padded with inactive positions up
+    to the most active sequence's count: (idx, valid), both [B, A]."""
+    T = mask.shape[1]
+    A = int(mask.sum(1).max())
+    pos = torch.arange(T, device=mask.device)
+    # inactive positions sort after the active ones and stay distinct, so a scatter to idx
+    # writes every position at most once
+    idx = (pos + T * (~mask)).argsort(dim=1)[:, :A]
+    return idx, mask.gather(1, idx)
+
+
+def causal_rows(idx: torch.Tensor, T: int) -> torch.Tensor:
+    """[B, 1, A, T] attention mask: the row at original position idx sees positions <= idx."""
+    pos = torch.arange(T, device=idx.device)
+    return (pos.view(1, 1, T) <= idx.unsqueeze(-1)).unsqueeze(1)
+
+
+def active_update(x: torch.Tensor, mask: torch.Tensor, attend, mlp) -> tuple[torch.Tensor, int]:
+    """A pre-norm block's update on the active tokens only, for any family's block.
+
+    `attend(idx)` gives the attention branch for the rows at positions idx [B, A] (queries of
+    those rows, keys and values of every token); `mlp(s)` the MLP branch of rows s. Padding
+    rows keep their input, and inactive tokens are copied, so they pass bit for bit.
+    Returns the new hidden state and the rows computed per sequence.
+    """
+    D = x.shape[-1]
+    idx, valid = active_rows(mask)
+    A = idx.shape[1]
+    if A == 0:  # no active token: nothing to compute (a copy, never an alias of the input)
+        return x.clone(), 0
+    g = idx.unsqueeze(-1).expand(-1, -1, D)
+    sel = x.gather(1, g)
+    s = sel + attend(idx)
+    new = torch.where(valid.unsqueeze(-1), s + mlp(s), sel)
+    return x.scatter(1, g, new), A
 
 
 class Embedding(nn.Module):

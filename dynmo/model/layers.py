@@ -22,8 +22,8 @@ from typing import Callable
 
 from dynmo.config import ModelConfig
 from dynmo.model import gpt, llama, mixtral
-from dynmo.model.hashattn import HashAttnBlock
-from dynmo.model.mod import MoDBlock
+from dynmo.model.hashattn import HashAttnBlock, LlamaHashAttnBlock
+from dynmo.model.mod import LlamaMoDBlock, MoDBlock
 from dynmo.model.moe import MoEBlock
 
 
@@ -38,7 +38,8 @@ class Family:
 FAMILIES: dict[str, Family] = {
     "gpt": Family(gpt.Embedding, gpt.Head,
                   {"dense": gpt.Block, "moe": MoEBlock, "hashattn": HashAttnBlock, "mod": MoDBlock}, gpt.init_weights),
-    "llama": Family(llama.Embedding, llama.Head, {"dense": llama.Block}, llama.init_weights),
+    "llama": Family(llama.Embedding, llama.Head,
+                    {"dense": llama.Block, "mod": LlamaMoDBlock, "hashattn": LlamaHashAttnBlock}, llama.init_weights),
     "mixtral": Family(llama.Embedding, llama.Head, {"moe": mixtral.Block}, llama.init_weights),
 }
 BLOCKS = FAMILIES["gpt"].blocks  # the GPT's block variants

@@ -7,7 +7,9 @@ Parameter names inside each layer are Hugging Face's (`self_attn.q_proj.weight`,
 `mlp.gate_proj.weight`, `input_layernorm.weight`, ...), so a checkpoint maps onto the layers by
 a prefix (`dynmo.model.hf`). Like the GPT, every layer maps `(x, mask) -> (x, mask)` except the
 embedding (`tokens -> (x, mask)`) and the head (`(x, mask) -> logits`); the mask of active
-tokens travels with the hidden state and the dense blocks do not look at it.
+tokens travels with the hidden state and the dense blocks do not look at it unless early exit
+sets `skip_inactive`. The dynamic variants of the family (Mixture of Depths, hash-sparse
+attention) live with their GPT versions in `dynmo.model.mod` and `dynmo.model.hashattn`.
 
 Numerics follow transformers: RMSNorm in float32 then back to the input dtype, rotary
 frequencies computed in float32 from `rope_theta`, the rotate-half convention, softmax
@@ -21,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dynmo.config import ModelConfig
+from dynmo.model.gpt import active_update, causal_rows
 
 
 class RMSNorm(nn.Module):
@@ -40,12 +43,23 @@ def head_dim(cfg: ModelConfig) -> int:
     return cfg.head_dim or cfg.d_model // cfg.n_heads
 
 
+def _inv_freq(cfg: ModelConfig, device: torch.device) -> torch.Tensor:
+    hd = head_dim(cfg)
+    return 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd))
+
+
 def rotary(cfg: ModelConfig, T: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [T, head_dim] for positions 0..T-1."""
-    hd = head_dim(cfg)
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd))
-    freqs = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv_freq)
+    freqs = torch.outer(torch.arange(T, device=device, dtype=torch.float32), _inv_freq(cfg, device))
     emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotary_at(cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [B, 1, T', head_dim] for the positions [B, T'] of rows taken out of their
+    sequences, broadcasting over heads."""
+    freqs = positions.to(torch.float32).unsqueeze(-1) * _inv_freq(cfg, positions.device)
+    emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -75,18 +89,55 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.d_model, KV * hd, bias=bias)
         self.o_proj = nn.Linear(H * hd, cfg.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _heads(self, proj: nn.Linear, x: torch.Tensor, n: int) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.hd).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
-        cos, sin = rotary(self.cfg, T, x.device, q.dtype)
+        return proj(x).view(B, T, n, self.hd).transpose(1, 2)
+
+    def expand(self, t: torch.Tensor) -> torch.Tensor:
+        """Key/value heads -> query heads: each serves n_heads / n_kv query heads."""
+        if self.n_kv == self.n_heads:
+            return t
+        return t.repeat_interleave(self.n_heads // self.n_kv, dim=1)
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor | None = None):
+        """Rotated queries and keys and the values, [B, n_heads, T, head_dim] each (keys and
+        values expanded to the query heads); rotary at `positions` if given, else 0..T-1."""
+        q = self._heads(self.q_proj, x, self.n_heads)
+        k = self._heads(self.k_proj, x, self.n_kv)
+        v = self._heads(self.v_proj, x, self.n_kv)
+        if positions is None:
+            cos, sin = rotary(self.cfg, x.shape[1], x.device, q.dtype)
+        else:
+            cos, sin = rotary_at(self.cfg, positions, q.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.n_kv != self.n_heads:  # each key/value head serves n_heads / n_kv query heads
-            k = k.repeat_interleave(self.n_heads // self.n_kv, dim=1)
-            v = v.repeat_interleave(self.n_heads // self.n_kv, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return q, self.expand(k), self.expand(v)
+
+    def out(self, y: torch.Tensor) -> torch.Tensor:
+        """[B, n_heads, T, head_dim] -> o_proj of the heads concatenated, [B, T, d_model]."""
+        B, _, T, _ = y.shape
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention over the rows of x. `positions` [B, T'] are the rows' original
+        positions when x holds only some tokens of each sequence, in position order (Mixture
+        of Depths): rotary then encodes where a token really is, while the causal mask
+        stays on row order, so rows placed after the chosen ones (padding) are never seen."""
+        q, k, v = self.project(x, positions)
+        return self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+    def attend_rows(self, h: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Attention output [B, A, d_model] of the rows at positions idx [B, A] of h [B, T, d]:
+        queries of those rows only, keys and values of every token, causal on positions."""
+        T = h.shape[1]
+        q = self._heads(self.q_proj, h.gather(1, idx.unsqueeze(-1).expand(-1, -1, h.shape[-1])), self.n_heads)
+        k = self._heads(self.k_proj, h, self.n_kv)
+        v = self._heads(self.v_proj, h, self.n_kv)
+        cos, sin = rotary(self.cfg, T, h.device, q.dtype)
+        # the rows' entries of the keys' table, so a query rotates exactly as in the dense path
+        q = apply_rotary(q, cos[idx].unsqueeze(1), sin[idx].unsqueeze(1))
+        k = apply_rotary(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, self.expand(k), self.expand(v), attn_mask=causal_rows(idx, T))
+        return self.out(y)
 
 
 def intermediate_size(cfg: ModelConfig) -> int:
@@ -106,7 +157,11 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm decoder block (t): x + attn(norm(x)), then + mlp(norm(...))."""
+    """Pre-norm decoder block (t): x + attn(norm(x)), then + mlp(norm(...)).
+
+    `skip_inactive` works as in `dynmo.model.gpt.Block` (early exit): the block then computes
+    the active tokens only, exited ones serving as keys and values at their own positions.
+    """
 
     prunable = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # its Linears, for weight pruning
@@ -117,10 +172,23 @@ class Block(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
+        self.skip_inactive = False
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor):
+        if self.skip_inactive and not bool(mask.all()):
+            return self.active_forward(x, mask)[0], mask
+        return self.dense_forward(x, mask)
+
+    def dense_forward(self, x: torch.Tensor, mask: torch.Tensor):
+        """The block on every token (mask passes through)."""
         x = x + self.self_attn(self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x)), mask
+
+    def active_forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The block on the active tokens only; returns the new hidden state and the number of
+        rows computed per sequence."""
+        return active_update(x, mask, lambda idx: self.self_attn.attend_rows(self.input_layernorm(x), idx),
+                             lambda s: self.mlp(self.post_attention_layernorm(s)))
 
 
 class Embedding(nn.Module):

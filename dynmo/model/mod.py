@@ -21,11 +21,16 @@ predictor says so (the work per block then varies with the predictor, padded to 
 sequence of the microbatch).
 
 Capacity may differ per block (`capacities`, indexed by block number). The constructor gets
-only the config; `dynmo.model.gpt.tag_layer` sets `layer.index = spec.index - 1` when
+only the config; `dynmo.model.layers.tag_layer` sets `layer.index = spec.index - 1` when
 `build_layer` builds the block and when a migrated block is rebuilt on its new rank. Without
 `capacities`, every block uses `capacity` and the index is not needed.
 
 Only active tokens (mask True) can be chosen; the mask passes through unchanged.
+
+`MoDRouting` holds all of the above; a family's block only supplies its sub-layers and the
+update of the chosen rows: `MoDBlock` (gpt) and `LlamaMoDBlock` (llama, whose attention
+rotates each chosen token at its original position, since the gathered rows no longer sit
+where their rotary phase would otherwise be taken from).
 
 Per-layer stats (`block.last_stats`, summed over the forwards since `block.reset_stats()`):
 rows (token rows the block computed: its cost, B x k per forward), tokens_processed (active
@@ -42,6 +47,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dynmo.config import MoDConfig, ModelConfig
+from dynmo.model import llama
 from dynmo.model.aux_loss import attach_aux_loss
 from dynmo.model.gpt import MLP, CausalSelfAttention
 from dynmo.model.stats import StepStats
@@ -49,13 +55,13 @@ from dynmo.model.stats import StepStats
 MoDOptions = MoDConfig  # options live in the config ([model.mod])
 
 
-class MoDBlock(nn.Module):
-    """Pre-norm block that processes only the router's top-k tokens of each sequence."""
+class MoDRouting(nn.Module):
+    """What every family's Mixture of Depths block shares: router, predictor, capacities,
+    routing, the weighted update, the predictor loss and the stats. A family's block adds its
+    sub-layers after calling this constructor and defines `update(sel, positions)`, the
+    block's residual update of the chosen rows `sel` [B, k, D] at original positions [B, k]."""
 
-    prunable = ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")  # its Linears, for weight pruning
-    mlp_units = ("mlp.fc", "mlp.proj")  # the MLP's in and out Linears, for structured pruning
-
-    index: int | None = None  # block number (0-based); set by gpt.tag_layer, needed only for `capacities`
+    index: int | None = None  # block number (0-based); set by layers.tag_layer, needed only for `capacities`
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -70,11 +76,10 @@ class MoDBlock(nn.Module):
         for lin in (self.router, self.predictor):
             nn.init.normal_(lin.weight, 0.0, 0.02)
             nn.init.zeros_(lin.bias)
-        self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.attn = CausalSelfAttention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = MLP(cfg)
         self.reset_stats()
+
+    def update(self, sel: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     @property
     def capacity(self) -> float:
@@ -84,7 +89,7 @@ class MoDBlock(nn.Module):
         if self.index is None:
             raise RuntimeError(
                 "mod.capacities is per block but this block's layer.index is unset; build it with "
-                "dynmo.model.gpt.build_layer (or tag_layer it) so it knows its block number"
+                "dynmo.model.layers.build_layer (or tag_layer it) so it knows its block number"
             )
         if not 0 <= self.index < len(caps):
             raise ValueError(f"mod.capacities has {len(caps)} entries, no entry for block {self.index}")
@@ -138,8 +143,7 @@ class MoDBlock(nn.Module):
             idx, valid = idx.gather(1, order), valid.gather(1, order)
         g = idx.unsqueeze(-1).expand(-1, -1, D)
         sel = x.gather(1, g)  # [B, k, D]: the only tokens the block computes on
-        a = self.attn(self.ln1(sel))
-        delta = a + self.mlp(self.ln2(sel + a))
+        delta = self.update(sel, idx)
         w = torch.sigmoid(logits.gather(1, idx)).unsqueeze(-1)
         new = torch.where(valid.unsqueeze(-1), sel + w * delta, sel)
         out = x.scatter(1, g, new)  # non-chosen tokens are copied from x untouched
@@ -161,3 +165,40 @@ class MoDBlock(nn.Module):
             predictor_accuracy=float(agree) / max(1, n_active),
             aux_loss=float(aux),
         )
+
+
+class MoDBlock(MoDRouting):
+    """GPT pre-norm block that processes only the router's top-k tokens of each sequence."""
+
+    prunable = ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")  # its Linears, for weight pruning
+    mlp_units = ("mlp.fc", "mlp.proj")  # the MLP's in and out Linears, for structured pruning
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+
+    def update(self, sel: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # learned position embeddings are already in the hidden state: positions are not needed
+        a = self.attn(self.ln1(sel))
+        return a + self.mlp(self.ln2(sel + a))
+
+
+class LlamaMoDBlock(MoDRouting):
+    """Llama decoder block that processes only the router's top-k tokens of each sequence, at
+    their original positions (rotary), causal among them."""
+
+    prunable = llama.Block.prunable
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.input_layernorm = llama.RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.self_attn = llama.Attention(cfg)
+        self.post_attention_layernorm = llama.RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = llama.SwiGLU(cfg)
+
+    def update(self, sel: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        a = self.self_attn(self.input_layernorm(sel), positions)
+        return a + self.mlp(self.post_attention_layernorm(sel + a))
