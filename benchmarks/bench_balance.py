@@ -1,10 +1,13 @@
 """Decision time and bottleneck / optimum of every balancer, 48x8 up to 10,000x1,000 layers x stages.
 
-    python benchmarks/bench_balance.py [--repeats 5] [--hetero]
+    python benchmarks/bench_balance.py [--repeats 5] [--hetero] [--dominant]
 
 Costs are log-normal per layer (a dynamic model: pruned, frozen or MoE layers differ widely);
 the current layout is uniform. --hetero adds per-stage speeds (0.5x..2x), memory caps and a
-transfer cost. A balancer whose estimated time exceeds --budget seconds is skipped and says so.
+transfer cost. --dominant gives one layer the cost of all others together: that layer alone
+sets the optimal bottleneck and every other stage has slack, so `optimal`'s fewest-moves step
+has wide candidate sets (its hardest case). A balancer whose estimated time exceeds --budget
+seconds is skipped and says so.
 """
 
 from __future__ import annotations
@@ -21,9 +24,12 @@ SIZES = [(48, 8), (128, 16), (1000, 100), (10_000, 1_000)]
 NAMES = ["uniform", "deepspeed", "diffusion", "diffusion-contiguous", "optimal"]
 
 
-def make(n: int, p: int, hetero: bool, seed: int = 0) -> Problem:
+def make(n: int, p: int, hetero: bool, seed: int = 0, dominant: bool = False) -> Problem:
     rng = np.random.default_rng(seed)
-    kw: dict = {"costs": rng.lognormal(0.0, 0.75, n).tolist(), "stages": p}
+    costs = rng.lognormal(0.0, 0.75, n)
+    if dominant:
+        costs[n // 3] = costs.sum()
+    kw: dict = {"costs": costs.tolist(), "stages": p}
     if hetero:
         mem = rng.uniform(1, 2, n)
         kw["memory"] = mem.tolist()
@@ -45,12 +51,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--budget", type=float, default=60.0)
     ap.add_argument("--hetero", action="store_true")
+    ap.add_argument("--dominant", action="store_true")
     args = ap.parse_args()
-    print(f"costs lognormal(0, 0.75), current = uniform, {'heterogeneous' if args.hetero else 'identical'} workers; "
-          f"time = median of {args.repeats} (1 run when > 1 s)")
+    print(f"costs lognormal(0, 0.75){', one layer = all others' if args.dominant else ''}, current = uniform, "
+          f"{'heterogeneous' if args.hetero else 'identical'} workers; time = median of {args.repeats} (1 run when > 1 s)")
     print(f"{'layers x stages':>16} {'balancer':>22} {'time':>12} {'bottleneck/opt':>15} {'imbalance':>10} {'moves':>7}")
     for n, p in SIZES:
-        pr = make(n, p, args.hetero)
+        pr = make(n, p, args.hetero, dominant=args.dominant)
         opt = balance(pr, "optimal").bottleneck
         for name in NAMES:
             est = estimate(name, n, p)

@@ -4,7 +4,7 @@ Definitions. Prefix sums P (cost) and M (memory) over the layers. For a candidat
 B, stage j may hold layers [a, b) iff b > a, (P[b]-P[a]) / s_j + t_j <= B and
 M[b]-M[a] <= cap_j. Both tests are monotone: a sub-range of a range that fits also fits.
 
-Feasibility for a given B (`_forward`). R_j = boundary positions b such that stages 0..j-1
+Feasibility for a given B (`forward`). R_j = boundary positions b such that stages 0..j-1
 can hold exactly layers [0, b). R_0 = {0} and
 
     R_j = { b : exists a in R_{j-1} with a < b <= far_j(a) }
@@ -28,26 +28,15 @@ bisection stops on the optimum itself instead of on a float interval.
 
 Floating point: loads within EPS x (largest possible load) of each other are equal (see
 problem.EPS); every fit test uses the same expression `P[b] <= P[a] + cap` so forward and
-backward passes and the move DP agree bit for bit.
+backward passes and the fewest-moves DP agree bit for bit.
 
-Identical stages (fast path, `_homogeneous_probe`). With one speed, one memory cap (or none)
-and one transfer cost on every sending stage, the caps never grow in the order stage p-1,
-p-2, ..., 0, and then "each stage, from the back, takes the longest suffix that fits, leaving
->= 1 layer for every earlier stage" is exact (exchange argument in `_homogeneous_probe`). A
-probe is one np.searchsorted over all positions plus an O(p) walk; the search starts from
-lo = max(average load, largest layer) and gallops up to the first feasible B. The reachable
-sets are then single intervals given by the forward and backward greedy
-(`_homogeneous_fsets`) unless some layer alone is too big for a stage. `Solver(general=True)`
-turns the fast path off (the tests compare both).
+Identical stages (identical.py). With one speed, one memory cap and one transfer cost, a
+greedy from the last stage is exact and much faster; `Solver(general=True)` turns that fast
+path off (the tests compare both).
 
-Fewest moves (`min_moves`). Among layouts with bottleneck <= B*, maximize the layers kept on
-their current stage. Boundary k may only sit in F_k = R_k (forward reachable) intersected
-with Q_k (the rest [b, n) fits stages k..p-1, computed by the mirror pass). A DP over
-(k, b in F_k) takes the best predecessor a in F_{k-1} with [a, b) fitting stage k-1; the
-candidates for b are a window [near(b), b-1]. Cost O(sum_k |F_k| * window_k): at the optimum
-the F_k are narrow (most stages are tight), so this is far below the naive O(n^2 p).
-`_dp_bulk` builds the candidate table for all stages at once and runs the stage loop with four
-numpy calls per stage; `_dp_stagewise` (same result) is used when that table would be large.
+Fewest moves (moves.py). Among the layouts with bottleneck <= B*, one that moves the fewest
+layers; it chooses boundaries from F_k = R_k ∩ Q_k, the positions reachable from both ends
+(`forward`, `backward`, or `_homogeneous_fsets` for identical stages).
 """
 
 from __future__ import annotations
@@ -58,12 +47,12 @@ from typing import Sequence
 
 import numpy as np
 
+from .identical import IdenticalStages
+from .moves import Intervals, fewest_moves
 from .problem import EPS, BalanceError, Problem
 
-Intervals = list[tuple[int, int]]
 
-
-class Solver:
+class Solver(IdenticalStages):
     def __init__(self, problem: Problem, general: bool = False):
         """`general=True` disables the identical-stage fast path (tests compare the two)."""
         self.problem = problem
@@ -107,9 +96,6 @@ class Solver:
     def ccap(self, B: float, j: int) -> float:
         """Largest cost sum stage j may hold at bottleneck B (with the tolerance)."""
         return (B + self.btol - self.t[j]) * self.s[j]
-
-    def load(self, a: int, b: int, j: int) -> float:
-        return (self.Pl[b] - self.Pl[a]) / self.s[j] + self.t[j]
 
     def _blocked(self, l: int, h: int, ccap: float, mcap: float, j: int) -> tuple[np.ndarray, float]:
         """Positions a in [l, h] whose single layer does not fit the stage; min unblock load."""
@@ -322,118 +308,6 @@ class Solver:
             a = max(a, am)
         return a
 
-    # ---- identical stages: greedy from the back ---------------------------------------
-    def _homogeneous_probe(self, B: float) -> tuple[bool, list[int] | None, float]:
-        """Exact feasibility of B for identical stages: (ok, boundaries g_0..g_p, next event).
-
-        Greedy from the back: stage p-1 takes the longest suffix that fits, then stage p-2,
-        ..., each leaving >= 1 layer for every earlier stage: g_p = n and
-        g_k = max(near_k(g_{k+1}), k), where near_k(b) is the smallest a with [a, b) fitting
-        stage k. B is feasible iff this reaches g_0 = 0 with every stage non-empty.
-
-        Why greedy is exact here (exchange argument). Stages 0..p-2 have the same cost cap
-        (B - t) s and memory cap; stage p-1 sends nothing, so its cost cap B s is at least as
-        large: in the order the greedy visits stages (p-1 first) the caps never grow. Let b*
-        be any feasible layout; by induction g_k <= b*_k for k = p..1 and every greedy stage
-        fits. Step k (given g_{k+1} <= b*_{k+1}):
-          - if b*_k < g_{k+1}: [b*_k, g_{k+1}) is a sub-range of b*'s stage k, so it fits and
-            near_k(g_{k+1}) <= b*_k; also k <= b*_k, hence g_k <= b*_k < g_{k+1}.
-          - if b*_k >= g_{k+1} (then k <= p-2, since b*_{p-1} < n = g_p): b* puts layer
-            g_{k+1}-1 on some stage j < k, so that layer alone fits stage j and hence stage k
-            (same caps), so near_k(g_{k+1}) <= g_{k+1}-1; with k < g_{k+1} (the clamp at
-            step k+1) g_k < g_{k+1} <= b*_k.
-        At k = 0, [0, g_1) is a sub-range of b*'s stage 0, so near_0(g_1) = 0. Conversely a
-        run reaching 0 is a layout. With heterogeneous stages the caps are not ordered and
-        this fails (see the module docstring); there the interval sets are needed.
-        All fit tests are the exact expressions of the general path (`P[b] <= P[a] + ccap`),
-        evaluated by np.searchsorted on P + ccap (elementwise the same floats), so both paths
-        take the same decisions.
-
-        Next event (when infeasible): the run is a function of the near_k values it looked
-        at; near_k(b) (cost part) only moves when [near_k(b)-1, b) starts to fit, i.e. at
-        that range's load. Stages where the memory cap or the clamp k decides cannot change.
-        """
-        n, p, Pl = self.n, self.p, self.Pl
-        cl = self.ccap(B, p - 1)
-        nm = self._near_m
-        nc_last = self._near(n, cl, math.inf)
-        nm_last = 0 if nm is None else int(nm[n])
-        g = max(nc_last, nm_last, p - 1)
-        gs = [n]
-        ok = g < n
-        m = 0  # stages 0..p-2 visited (the failing one included)
-        near_c = None
-        if ok:
-            gs.append(g)
-            if p > 1:
-                cc = self.ccap(B, 0)
-                near_c = np.searchsorted(self.P + cc, self.P, side="left")
-                nl = (near_c if nm is None else np.maximum(near_c, nm)).tolist()
-                for k in range(p - 2, -1, -1):
-                    m += 1
-                    a = nl[g]
-                    if a < k:
-                        a = k
-                    if a >= g:
-                        ok = False
-                        break
-                    g = a
-                    gs.append(g)
-            ok = ok and g == 0
-        if ok:
-            gs.reverse()
-            return True, gs, math.inf
-        # next event
-        ev = math.inf
-        s, t = self.s[p - 1], self.t[p - 1]
-        if nc_last - 1 >= max(nm_last, p - 1):
-            ev = (Pl[n] - Pl[nc_last - 1]) / s + t
-        if m:
-            gn = np.asarray(gs[1 : 1 + m])  # g_{k+1} for k = p-2, p-3, ...
-            ks = p - 2 - np.arange(m)
-            nc = near_c[gn]
-            floor = ks if nm is None else np.maximum(nm[gn], ks)
-            sel = nc - 1 >= floor
-            if sel.any():
-                gb, ga = gn[sel], nc[sel] - 1
-                e = float(((self.P[gb] - self.P[ga]) / self.s[0] + self.t[0]).min())
-                ev = min(ev, e)
-        return False, None, ev
-
-    def _min_bottleneck_homogeneous(self) -> tuple[float, list[int], int]:
-        p, pr = self.p, self.problem
-        s, t = self.s[0], self.t[0] if p > 1 else 0.0
-        cmax = float(pr.c.max())
-        # lower bound: the average load, and the largest layer on any stage
-        lo = max(self.Pl[-1] / (p * s) + t * (p - 1) / p, cmax / s)
-        # upper bound: without memory caps the greedy is feasible at lo + cmax / s + t (each
-        # stage but the last is filled to more than its cap - cmax). B* is usually much
-        # closer to lo, so gallop up from lo + (top - lo) / 32; a failure raises lo to its event
-        top = lo + cmax / s + t
-        delta = max((top - lo) / 32, self.btol)
-        probes = 0
-        while True:
-            B = lo + delta if lo + delta < top else top
-            ok, best, ev = self._homogeneous_probe(B)
-            probes += 1
-            if ok:
-                break
-            lo = max(lo, ev)
-            if B >= top:
-                ok, best, _ = self._homogeneous_probe(math.inf)  # memory caps decide
-                probes += 1
-                if not ok:
-                    _, hist, _ = self.forward(math.inf, cut=False)
-                    raise BalanceError(explain_memory(self.problem, hist))
-                break
-            delta *= 2
-
-        def probe(B: float) -> tuple[bool, list[int] | None, float, bool]:
-            ok, bnd, ev = self._homogeneous_probe(B)
-            return ok, bnd, ev, True
-
-        return self._search(lo, best, probe, probes)
-
     # ---- search --------------------------------------------------------------------------
     def min_bottleneck(self) -> tuple[float, list[int], int]:
         """(B*, a layout achieving it, number of probes)."""
@@ -441,8 +315,7 @@ class Solver:
             return self._min_bottleneck_homogeneous()
         ok, hist, _ = self.forward(math.inf)
         if not ok:
-            _, hist, _ = self.forward(math.inf, cut=False)
-            raise BalanceError(explain_memory(self.problem, hist))
+            raise self._memory_error()
         best = self.backtrack(hist)
         pr = self.problem
         lo = max(self.Pl[-1] / float(pr.s.sum()), float(pr.c.max()) / float(pr.s.max()), float(pr.t.max()))
@@ -452,6 +325,11 @@ class Solver:
             return ok, (self.backtrack(hist) if ok else None), ev, self.last_event_achievable
 
         return self._search(lo, best, probe, 1)
+
+    def _memory_error(self) -> BalanceError:
+        """The error for a problem no layout fits, naming the tightest memory constraint."""
+        _, hist, _ = self.forward(math.inf, cut=False)
+        return BalanceError(explain_memory(self.problem, hist))
 
     def _search(self, lo: float, best: list[int], probe, probes: int) -> tuple[float, list[int], int]:
         """Bisection between achievable bounds (module docstring); `best` is feasible."""
@@ -484,197 +362,6 @@ class Solver:
                     lo = max(ev2, lo)
         return hi, best, probes
 
-    # ---- fewest moves --------------------------------------------------------------------
-    def min_moves(self, B: float, cur: Sequence[tuple[int, int]]) -> list[int] | None:
-        """Among layouts with bottleneck <= B, one keeping the most layers on their stage.
-
-        cur[j] = (u, v): the layers [u, v) that the worker of stage j holds today.
-        """
-        p = self.p
-        Fs = self._homogeneous_fsets(B) if self.homog else None
-        if Fs is None:
-            ok, R, _ = self.forward(B)
-            if not ok:
-                return None
-            Q = self.backward(B)
-            if len(Q) != p + 1:
-                return None
-            Fs = [_intersect(R[k], Q[k]) for k in range(p + 1)]
-        if not all(Fs):
-            return None
-        out = self._dp_bulk(B, Fs, cur)
-        if out is False:
-            out = self._dp_stagewise(B, Fs, cur)
-        return out
-
-    def _homogeneous_fsets(self, B: float) -> list[Intervals] | None:
-        """F_0..F_p for identical stages when no single layer is too big for any stage.
-
-        Then R_k = [k, y_k] with y_k = min(far(y_{k-1}), n-(p-k)) (forward greedy) and
-        Q_k = [x_k, n-(p-k)] with x_k the backward greedy of `_homogeneous_probe`, so
-        F_k = [x_k, y_k]: the same sets the general passes compute, in O(p) after one
-        vectorized far() per position. None: use the general passes; [] : infeasible.
-        """
-        n, p, P, M = self.n, self.p, self.P, self.M
-        cc, mcap = self.ccap(B, 0), self.mcap[0]
-        # stage 0's caps are the smallest: a layer fitting it alone fits every stage
-        if not bool(np.all(P[1:] <= P[:-1] + cc)):
-            return None
-        if mcap != math.inf and not bool(np.all(M[1:] <= M[:-1] + mcap)):
-            return None
-        ok, g, _ = self._homogeneous_probe(B)
-        if not ok:
-            return []
-        far = np.searchsorted(P, P + cc, side="right") - 1
-        if mcap != math.inf:
-            far = np.minimum(far, np.searchsorted(M, M + mcap, side="right") - 1)
-        fl = far.tolist()
-        Fs: list[Intervals] = [[(0, 0)]]
-        y = 0
-        for k in range(1, p):
-            lim = n - (p - k)
-            y = fl[y]
-            if y > lim:
-                y = lim
-            if g[k] > y:
-                return []
-            Fs.append([(g[k], y)])
-        Fs.append([(n, n)])  # the probe reached n from F_{p-1}
-        return Fs
-
-    def _dp_bulk(self, B: float, Fs: list[Intervals], cur: Sequence[tuple[int, int]]) -> list[int] | None | bool:
-        """The fewest-moves DP with every K-independent array built at once for all stages.
-
-        Same recurrence, candidates and tie-breaking (the largest a among equal values) as
-        `_dp_stagewise`, so the same layout; the per-stage loop is four numpy calls. Returns
-        False when the candidate table would be too large (then the caller goes stage-wise).
-        """
-        n, p, P, M = self.n, self.p, self.P, self.M
-        C0 = np.array([f[0][0] for f in Fs])
-        C1 = np.array([f[-1][1] for f in Fs])
-        doff = np.concatenate(([0], np.cumsum(C1 - C0 + 1)))
-        sentinel = int(doff[-1])
-        # rows: every position b of F_k, k = 1..p, in order of k
-        ivs = [(k, l, h) for k in range(1, p + 1) for l, h in Fs[k]]
-        iv = np.array(ivs, dtype=np.int64)
-        lens = iv[:, 2] - iv[:, 1] + 1
-        nrows = int(lens.sum())
-        first = np.repeat(np.cumsum(lens) - lens, lens)
-        rb = np.repeat(iv[:, 1], lens) + np.arange(nrows) - first
-        rk = np.repeat(iv[:, 0], lens)
-        A0, A1 = C0[rk - 1], C1[rk - 1]
-        # smallest fitting start for each row (stage j = k-1), clipped to the cover of F_{k-1}
-        # like the stage-wise searchsorted over P[A0..A1] + ccap; stages with equal caps share
-        # one call
-        ccaps = [self.ccap(B, j) for j in range(p)]
-        near = np.empty(nrows, dtype=np.int64)
-        rstart = np.searchsorted(rk, np.arange(1, p + 2), side="left")
-        j0 = 0
-        while j0 < p:
-            j1 = j0 + 1
-            while j1 < p and ccaps[j1] == ccaps[j0] and self.mcap[j1] == self.mcap[j0]:
-                j1 += 1
-            r0, r1 = rstart[j0], rstart[j1]
-            b = rb[r0:r1]
-            nr = np.searchsorted(P + ccaps[j0], P[b], side="left")
-            if self.mcap[j0] != math.inf:
-                nr = np.maximum(nr, np.searchsorted(M + self.mcap[j0], M[b], side="left"))
-            near[r0:r1] = nr
-            j0 = j1
-        lo_a = np.clip(near, A0, A1 + 1)
-        hi_a = np.minimum(rb - 1, A1)
-        W = max(int((hi_a - lo_a + 1).max()), 1)
-        if nrows * W > 4_000_000:
-            return False
-        a = hi_a[:, None] - np.arange(W)[None, :]
-        valid = a >= lo_a[:, None]
-        gidx = np.where(valid, (doff[rk - 1] - A0)[:, None] + a, sentinel)
-        U = np.array([u for u, _ in cur], dtype=np.int64)[rk - 1]
-        V = np.array([v for _, v in cur], dtype=np.int64)[rk - 1]
-        ov = np.maximum(0, np.minimum(rb, V)[:, None] - np.maximum(a, U[:, None])).astype(np.float64)
-        dpos = doff[rk] + rb - C0[rk]
-        Kall = np.full(sentinel + 1, -np.inf)
-        Kall[0] = 0.0  # F_0 = {0}
-        for k in range(1, p + 1):
-            r0, r1 = rstart[k - 1], rstart[k]
-            Kall[dpos[r0:r1]] = (Kall[gidx[r0:r1]] + ov[r0:r1]).max(axis=1)
-        if C0[p] != n or not np.isfinite(Kall[doff[p]]):
-            return None
-        bi = np.argmax(Kall[gidx] + ov, axis=1)
-        par = np.full(sentinel, -1, dtype=np.int64)
-        par[dpos] = a[np.arange(nrows), bi]
-        parl, doffl, C0l = par.tolist(), doff.tolist(), C0.tolist()
-        out = [n]
-        b = n
-        for k in range(p, 0, -1):
-            b = parl[doffl[k] + b - C0l[k]]
-            out.append(b)
-        out.reverse()
-        if out[0] != 0:
-            return None
-        return out
-
-    def _dp_stagewise(self, B: float, Fs: list[Intervals], cur: Sequence[tuple[int, int]]) -> list[int] | None:
-        n, p = self.n, self.p
-        P, M = self.P, self.M
-        # K over the cover range of F_0 = {0}
-        A0, A1 = 0, 0
-        K = np.zeros(1)
-        parents: list[tuple[int, np.ndarray]] = []
-        for k in range(1, p + 1):
-            j = k - 1
-            F = Fs[k]
-            if not F:
-                return None
-            bs = np.concatenate([np.arange(l, h + 1) for l, h in F])
-            ccap, mcap = self.ccap(B, j), self.mcap[j]
-            Pa = P[A0 : A1 + 1] + ccap
-            near = np.searchsorted(Pa, P[bs], side="left") + A0
-            if mcap != math.inf:
-                Ma = M[A0 : A1 + 1] + mcap
-                near = np.maximum(near, np.searchsorted(Ma, M[bs], side="left") + A0)
-            lo_a = near
-            hi_a = np.minimum(bs - 1, A1)
-            u, v = cur[j]
-            newK = np.full(len(bs), -np.inf)
-            par = np.full(len(bs), -1, dtype=np.int64)
-            width = np.maximum(hi_a - lo_a + 1, 0)
-            w = int(width.max()) if len(width) else 0
-            if w > 0:
-                step = max(1, 4_000_000 // w)
-                for r0 in range(0, len(bs), step):
-                    r1 = min(len(bs), r0 + step)
-                    a = hi_a[r0:r1, None] - np.arange(w)[None, :]
-                    okm = a >= lo_a[r0:r1, None]
-                    ai = np.clip(a - A0, 0, A1 - A0)
-                    b2 = bs[r0:r1, None]
-                    ov = np.maximum(0, np.minimum(b2, v) - np.maximum(a, u))
-                    val = np.where(okm, K[ai], -np.inf) + ov
-                    bi = np.argmax(val, axis=1)
-                    rows = np.arange(r1 - r0)
-                    newK[r0:r1] = val[rows, bi]
-                    par[r0:r1] = a[rows, bi]
-            # dense arrays over the cover range of F_k for the next stage
-            C0, C1 = int(bs[0]), int(bs[-1])
-            Kd = np.full(C1 - C0 + 1, -np.inf)
-            Kd[bs - C0] = newK
-            pd = np.full(C1 - C0 + 1, -1, dtype=np.int64)
-            pd[bs - C0] = par
-            parents.append((C0, pd))
-            K, A0, A1 = Kd, C0, C1
-        if A0 != n or not np.isfinite(K[0]):
-            return None
-        out = [n]
-        b = n
-        for k in range(p, 0, -1):
-            C0, pd = parents[k - 1]
-            b = int(pd[b - C0])
-            out.append(b)
-        out.reverse()
-        if out[0] != 0:
-            return None
-        return out
-
 
 def _sparse_table(x: np.ndarray) -> list[list[float]]:
     levels = [x]
@@ -689,21 +376,6 @@ def _sparse_table(x: np.ndarray) -> list[list[float]]:
 
 def _cut_below(x: Intervals, low: int) -> Intervals:
     out = [(max(a, low), b) for a, b in x if b >= low]
-    return out
-
-
-def _intersect(x: Intervals, y: Intervals) -> Intervals:
-    out: Intervals = []
-    i = k = 0
-    while i < len(x) and k < len(y):
-        lo = max(x[i][0], y[k][0])
-        hi = min(x[i][1], y[k][1])
-        if lo <= hi:
-            out.append((lo, hi))
-        if x[i][1] < y[k][1]:
-            i += 1
-        else:
-            k += 1
     return out
 
 
@@ -741,7 +413,7 @@ def optimal(problem: Problem, *, _general: bool = False) -> list[int]:
     if max_load_ok(sol, cur, B):
         return list(cur)
     ranges = [(cur[j], cur[j + 1]) for j in range(problem.stages)]
-    out = sol.min_moves(B, ranges)
+    out = fewest_moves(sol, B, ranges)
     return best if out is None else out
 
 
@@ -749,7 +421,7 @@ def optimal_with(problem: Problem, ranges: Sequence[tuple[int, int]]) -> tuple[l
     """Like `optimal` with explicit current ranges per stage (re-packing); also returns B*."""
     sol = Solver(problem)
     B, best, _ = sol.min_bottleneck()
-    out = sol.min_moves(B, ranges)
+    out = fewest_moves(sol, B, ranges)
     return (best if out is None else out), B
 
 
