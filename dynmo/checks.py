@@ -12,6 +12,7 @@ from pathlib import Path
 from dynmo import hf_config
 from dynmo.config import Config, ConfigError
 from dynmo.loop import check_balance
+from dynmo.model.families import check_block
 from dynmo.plan import explicit_layout, num_layers, parse_relayouts, resolve_pp
 from dynmo.schedules import TRAINABLE, ScheduleError, get_schedule
 
@@ -139,10 +140,8 @@ def validate(cfg: Config, world: int) -> None:
 
 def check_family(m) -> None:
     """The model family and its block exist, and the family's options are ones it implements."""
-    from dynmo.model.layers import block_class  # torch: only once the simple checks passed
-
     try:
-        block_class(m)
+        check_block(m.family, m.block)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if m.family == "gpt":

@@ -22,6 +22,7 @@ from typing import Callable
 
 from dynmo.config import ModelConfig
 from dynmo.model import gpt, llama, mixtral
+from dynmo.model.families import FAMILY_BLOCKS, check_block
 from dynmo.model.hashattn import HashAttnBlock, LlamaHashAttnBlock
 from dynmo.model.mod import LlamaMoDBlock, MoDBlock
 from dynmo.model.moe import MoEBlock
@@ -43,13 +44,13 @@ FAMILIES: dict[str, Family] = {
     "mixtral": Family(llama.Embedding, llama.Head, {"moe": mixtral.Block}, llama.init_weights),
 }
 BLOCKS = FAMILIES["gpt"].blocks  # the GPT's block variants
+# the names the config checks know, without torch, are these
+assert {name: tuple(f.blocks) for name, f in FAMILIES.items()} == FAMILY_BLOCKS
 
 
 def family(cfg: ModelConfig) -> Family:
-    try:
-        return FAMILIES[cfg.family]
-    except KeyError:
-        raise ValueError(f"unknown model.family {cfg.family!r}; known: {', '.join(FAMILIES)}") from None
+    check_block(cfg.family, cfg.block)
+    return FAMILIES[cfg.family]
 
 
 @dataclass(frozen=True)
@@ -85,12 +86,7 @@ def layer_specs(cfg: ModelConfig) -> list[LayerSpec]:
 
 
 def block_class(cfg: ModelConfig) -> type[nn.Module]:
-    fam = family(cfg)
-    try:
-        return fam.blocks[cfg.block]
-    except KeyError:
-        raise ValueError(f"model.block {cfg.block!r} is not a block of model.family {cfg.family!r}; "
-                         f"its blocks: {', '.join(fam.blocks)}") from None
+    return family(cfg).blocks[cfg.block]
 
 
 def layer_class(spec: LayerSpec, cfg: ModelConfig) -> type[nn.Module]:
