@@ -394,7 +394,7 @@ def hf_loss(model, hf_dir: Path, batches: list[tuple[int, str]]) -> float:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("kind", ["llama", "mixtral"])
+@pytest.mark.parametrize("kind", ["mixtral"])  # the family whose export has the most mapping (stacked experts)
 def test_after_training_the_exported_model_gives_dynmos_validation_loss(tmp_path, hf_dirs, kind):
     out = tmp_path / "run"
     run_train(out, "--model.hf_path", str(hf_dirs[kind]), "--train.lr", "1e-3", "--steps", "3",
