@@ -83,7 +83,19 @@ class MLP(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
-class Block(nn.Module):
+class SkipsInactive(nn.Module):
+    """A block that, with `skip_inactive` set, computes only the active tokens of a microbatch
+    that has inactive ones (`active_forward`), else every token (`dense_forward`)."""
+
+    skip_inactive = False
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor):
+        if self.skip_inactive and not bool(mask.all()):
+            return self.active_forward(x, mask)[0], mask
+        return self.dense_forward(x, mask)
+
+
+class Block(SkipsInactive):
     """Pre-norm transformer block (t).
 
     With `skip_inactive` set (models whose tokens can leave the computation, e.g. early exit),
@@ -106,11 +118,6 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg)
         self.skip_inactive = False
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor):
-        if self.skip_inactive and not bool(mask.all()):
-            return self.active_forward(x, mask)[0], mask
-        return self.dense_forward(x, mask)
 
     def dense_forward(self, x: torch.Tensor, mask: torch.Tensor):
         """The block on every token (mask passes through)."""

@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dynmo.config import ModelConfig
-from dynmo.model.gpt import active_update, causal_rows
+from dynmo.model.gpt import SkipsInactive, active_update, causal_rows
 
 
 class RMSNorm(nn.Module):
@@ -156,7 +156,7 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class Block(nn.Module):
+class Block(SkipsInactive):
     """Pre-norm decoder block (t): x + attn(norm(x)), then + mlp(norm(...)).
 
     `skip_inactive` works as in `dynmo.model.gpt.Block` (early exit): the block then computes
@@ -173,11 +173,6 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
         self.skip_inactive = False
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor):
-        if self.skip_inactive and not bool(mask.all()):
-            return self.active_forward(x, mask)[0], mask
-        return self.dense_forward(x, mask)
 
     def dense_forward(self, x: torch.Tensor, mask: torch.Tensor):
         """The block on every token (mask passes through)."""
