@@ -181,4 +181,9 @@ def test_dynamism_trigger_rebalances_right_after_the_change(tmp_path):
     assert [r["loss"] for r in dyn] == [r["loss"] for r in static]
     moved = [r["step"] for r in dyn if any(e["type"] == "migration" for e in r["events"])]
     assert moved == [4]
-    assert dyn[4]["layout"] != [0, 3, 6] and dyn[-1]["imbalance"] < static[-1]["imbalance"]
+    # the imbalance falls: medians over the steps after the move, since one step's measured
+    # imbalance on a busy 2-core machine swings by more than the effect (a fresh-clone run saw the
+    # last step at 0.64 vs 0.51 with the right layout)
+    after = slice(4, None)
+    assert dyn[4]["layout"] != [0, 3, 6]
+    assert median(r["imbalance"] for r in dyn[after]) < median(r["imbalance"] for r in static[after])
