@@ -13,7 +13,7 @@ from dynmo import hf_config
 from dynmo.config import Config, ConfigError
 from dynmo.loop import check_balance
 from dynmo.model.families import check_block
-from dynmo.plan import explicit_layout, num_layers, parse_relayouts, resolve_pp
+from dynmo.plan import DTYPES, explicit_layout, num_layers, parse_relayouts, recompute_blocks, resolve_pp
 from dynmo.schedules import TRAINABLE, ScheduleError, get_schedule
 
 MODEL_SHAPE_FIELDS = ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "mlp_ratio")
@@ -69,6 +69,9 @@ def validate(cfg: Config, world: int) -> None:
         rounds = max(1, t.microbatches // pp)
         if t.microbatches % rounds:
             raise ConfigError(f"{sched} needs train.microbatches to be a multiple of {rounds} with pp={pp}")
+    if t.dtype not in DTYPES:
+        raise ConfigError(f"train.dtype={t.dtype!r}: choose one of {', '.join(DTYPES)}")
+    recompute_blocks(cfg)
     # initial layout
     lay = p.layout.strip().lower()
     if lay not in ("uniform", "params"):

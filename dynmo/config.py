@@ -66,7 +66,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5  # RMSNorm epsilon
     attention_bias: bool = False  # biases on the q, k, v projections (qwen2)
-    tie_embeddings: bool = False  # input and output embeddings shared (not implemented yet: rejected)
+    tie_embeddings: bool = False  # one tensor for the token embedding and the LM head (docs/numerics.md)
     # A Hugging Face checkpoint folder (config.json, safetensors, tokenizer.json): the architecture
     # comes from its config.json (overriding the fields above), the initial weights from its
     # safetensors files and the tokenizer from its tokenizer.json.
@@ -99,6 +99,12 @@ class TrainConfig:
     seed: int = 1234
     eval_every: int = 0  # steps between validation losses; 0 = never
     eval_batches: int = 2
+    # Numerics: fp32 | bf16 (autocast compute over fp32 parameters, gradients and AdamW state;
+    # bf16 activations between layers and stages). See docs/numerics.md.
+    dtype: str = "fp32"
+    # Blocks whose activations are recomputed in backward (torch.utils.checkpoint):
+    # none | all | block numbers and ranges, 0-based as in the layer names, e.g. "1-4,7".
+    activation_checkpointing: str = "none"
 
 
 @dataclass

@@ -82,3 +82,29 @@ def parse_relayouts(cfg: Config, num_stages: int) -> dict[int, Layout]:
     if list(out) != sorted(out):
         raise ConfigError("parallel.relayout entries must be in step order")
     return out
+
+
+DTYPES = ("fp32", "bf16")
+
+
+def recompute_blocks(cfg: Config) -> list[int]:
+    """Block numbers (0-based, as in the layer names) whose activations are recomputed in backward,
+    from `train.activation_checkpointing`: none | all | numbers and ranges such as "1-4,7"."""
+    text, n = cfg.train.activation_checkpointing.strip().lower(), cfg.model.n_layers
+    where = f"train.activation_checkpointing={cfg.train.activation_checkpointing!r}"
+    if text in ("", "none"):
+        return []
+    if text == "all":
+        return list(range(n))
+    blocks: set[int] = set()
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        try:
+            a, b = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise ConfigError(f"{where}: {part.strip()!r} is not a block number or a range like 1-4; "
+                              "write none, all, or block numbers such as 1-4,7") from None
+        if not 0 <= a <= b < n:
+            raise ConfigError(f"{where}: {part.strip()!r} is outside blocks 0..{n - 1} (or a range written high-low)")
+        blocks.update(range(a, b + 1))
+    return sorted(blocks)

@@ -43,7 +43,7 @@ class StepRecord:
     events: list[dict] = field(default_factory=list)  # migrations, dynamism, decisions
     stats: dict[str, list] = field(default_factory=dict)  # per-layer case statistics, e.g. prune_density
     val_loss: float | None = None
-    worker_peak_memory_bytes: list[float] | None = None  # measured (CUDA)
+    worker_peak_memory_bytes: list[float] | None = None  # measured per pipeline rank (dynmo.runtime.memory)
     layer_wgrad_s: list[float] | None = None  # weight-gradient part of layer_bwd_s, where measured
 
     @property

@@ -69,7 +69,8 @@ class Trainer:
         # stages share a worker and a link, which the balancers' load model does not describe.
         if cfg.balance.when != "never" and cfg.parallel.virtual_stages == 1:
             m = cfg.model
-            speeds, transfer = probe.measure_workers(cfg.balance, ctx, self.pipe.microbatch, m.seq_len, m.d_model)
+            speeds, transfer = probe.measure_workers(cfg.balance, ctx, self.pipe.microbatch, m.seq_len, m.d_model,
+                                                     self.pipe.dtype.itemsize)
             if ctx.is_logger:
                 links = ", ".join(f"{t * 1e3:.2f}" for t in transfer or [])
                 print(f"dynmo: worker speeds {', '.join(f'{x:.2f}' for x in speeds)}; link ms/microbatch [{links}]",

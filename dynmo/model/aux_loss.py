@@ -32,12 +32,11 @@ class _AuxLossScaler(torch.autograd.Function):
 def attach_aux_loss(x: torch.Tensor, aux: torch.Tensor, coef: float) -> torch.Tensor:
     """Return `x` unchanged, carrying `coef * aux` into the backward pass.
 
-    Gradient scaling: the pipeline schedule back-propagates each microbatch's loss unscaled
-    and divides all gradients by the number of microbatches at the end (torch pipelining's
-    `scale_grads`). The auxiliary gradient is seeded per microbatch with `coef` and divided the
-    same way, so the objective is the microbatch mean of `main + coef * aux`, exactly as a
-    single process that averages `main + coef * aux` over the same microbatches. If a runtime
-    instead scales the *loss* by 1/n_microbatches, pass `coef / n_microbatches` here.
+    Gradient scaling: each microbatch back-propagates its loss unscaled and the runtime divides
+    the summed gradients by the number of microbatches in one place (`Pipeline._scale_grads`).
+    The auxiliary gradient is seeded per microbatch with `coef` and divided the same way, so
+    the objective is the microbatch mean of `main + coef * aux`, exactly as a single process
+    that averages `main + coef * aux` over the same microbatches.
     """
     if coef == 0.0 or not torch.is_grad_enabled() or not aux.requires_grad:
         return x

@@ -142,7 +142,8 @@ def dispatch(x: torch.Tensor, r: Routing, experts: nn.Module, num_experts: int) 
     flat = r.expert * C + r.slot
     buf = x.new_zeros(E * C, D).index_copy(0, flat, x[r.token])
     y = experts(buf.view(E, C, D)).reshape(E * C, D)
-    return x.new_zeros(x.shape).index_add(0, r.token, y[flat] * r.weight[:, None])
+    out = y[flat] * r.weight[:, None]  # in the experts' dtype (bf16 under autocast)
+    return out.new_zeros(x.shape).index_add(0, r.token, out)
 
 
 def routing_stats(r: Routing, aux: torch.Tensor, n_active: int, num_experts: int) -> dict:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from dynmo import plan
 from dynmo.config import Config
 from dynmo.layout import Layout, LayoutError
 from dynmo.model.gpt import loss_fn
@@ -24,6 +25,7 @@ from dynmo.model.hf import HFReader, load_layer
 from dynmo.model.layers import LayerSpec, build_layer, empty_layer, layer_specs
 from dynmo.runtime import optim
 from dynmo.runtime.dist import DistContext
+from dynmo.runtime.memory import PeakMemory
 from dynmo.runtime.schedules import schedule_class
 from dynmo.schedules import get_schedule, in_flight, stage_to_rank
 from dynmo.runtime.stage import StageModule, TimedPipelineStage, example_io
@@ -45,7 +47,7 @@ class StepResult:
     layer_act_bytes: dict[int, float] = field(default_factory=dict)  # per local layer, per microbatch
     layer_state_bytes: dict[int, int] = field(default_factory=dict)  # weights + grads + optimizer state
     profile_s: float = 0.0  # host seconds in the profiler's bookkeeping (saved-tensor accounting)
-    peak_bytes: int = 0  # CUDA: this rank's peak allocated memory in the step; 0 on CPU
+    peak_bytes: int = 0  # this rank's measured peak memory in the step (dynmo.runtime.memory); 0 = unknown
 
 
 @dataclass
@@ -69,6 +71,12 @@ class MigrationReport:
         } | ({"released_ranks": self.released} if self.released else {})
 
 
+def compute_dtype(cfg: Config) -> torch.dtype:
+    """The dtype layers compute in and activations travel in (`train.dtype`); parameters,
+    gradients and optimizer state stay float32 either way."""
+    return torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
+
+
 class Pipeline:
     def __init__(self, cfg: Config, ctx: DistContext, layout: Layout):
         self.cfg, self.ctx = cfg, ctx
@@ -80,6 +88,10 @@ class Pipeline:
         self.layout = layout
         self.microbatches = cfg.train.microbatches  # per replica per step; re-tuned after a re-pack
         self.microbatch = cfg.train.global_batch // ctx.dp // cfg.train.microbatches
+        # numerics and memory, per layer wherever it sits (dynmo.runtime.stage)
+        self.dtype = compute_dtype(cfg)
+        self.recompute = frozenset(b + 1 for b in plan.recompute_blocks(cfg))  # layer indices
+        self.memory = PeakMemory(ctx.device)
         self.released = False  # set when a re-pack took all this rank's layers away
         self.hf_read: tuple[int, int] | None = None  # tensors and bytes read from model.hf_path
         self.layers: dict[int, nn.Module] = self._build_layers(self._my_layers(layout))
@@ -134,10 +146,10 @@ class Pipeline:
         for s in self.my_stages():
             idx = list(self.layout.layers(s))
             module = StageModule([self.specs[i].name for i in idx], [self.layers[i] for i in idx], idx,
-                                 profile=self.cfg.balance.profile, device=self.ctx.device)
-            inputs, outputs = example_io(
-                s == 0, s == self.num_stages - 1, self.microbatch, m.seq_len, m.d_model, m.vocab_size, self.ctx.device
-            )
+                                 profile=self.cfg.balance.profile, device=self.ctx.device, dtype=self.dtype,
+                                 recompute=self.recompute)
+            inputs, outputs = example_io(s == 0, s == self.num_stages - 1, self.microbatch, m.seq_len, m.d_model,
+                                         m.vocab_size, self.ctx.device, self.dtype)
             self.stages.append(
                 TimedPipelineStage(
                     module,
@@ -150,19 +162,20 @@ class Pipeline:
                 )
             )
         stage_arg = self.stages if self.schedule_info.multi_stage else self.stages[0]
-        self.schedule = schedule_class(self.schedule_info)(stage_arg, self.microbatches, loss_fn=loss_fn)
+        # scale_grads=False: the division by the number of microbatches is ours (_scale_grads)
+        self.schedule = schedule_class(self.schedule_info)(stage_arg, self.microbatches, loss_fn=loss_fn,
+                                                           scale_grads=False)
 
     # ---- one step ---------------------------------------------------------------------
     def train_step(self, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> StepResult:
         t0 = time.perf_counter()
         for st in self.stages:
             st.reset_timers()
-        cuda = self.ctx.device.type == "cuda"
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(self.ctx.device)
+        self.memory.reset()
         losses: list[torch.Tensor] = []
         self.schedule.step(inputs.to(self.ctx.device), target=targets.to(self.ctx.device), losses=losses)
         t_sched = time.perf_counter() - t0
+        self._scale_grads()
         self._sync_data_parallel_grads()
         grad_norm, scale = self._clip_grads()
         lr = optim.lr_at(step, self.cfg.train)
@@ -183,7 +196,7 @@ class Pipeline:
             layer_act_bytes={i: b for st in self.stages for i, b in st.submod.layer_act_bytes().items()},
             layer_state_bytes=state_bytes,
             profile_s=sum(st.submod.profile_s for st in self.stages),
-            peak_bytes=int(torch.cuda.max_memory_allocated(self.ctx.device)) if cuda else 0,
+            peak_bytes=self.memory.peak(),
         )
 
     def layer_state_bytes(self) -> dict[int, int]:
@@ -207,6 +220,17 @@ class Pipeline:
 
     def _grads(self) -> list[torch.Tensor]:
         return [p.grad for i in sorted(self.layers) for p in self.layers[i].parameters() if p.grad is not None]
+
+    def _scale_grads(self) -> None:
+        """The one place gradients are scaled for the microbatches. The objective of a step is
+        the mean over its microbatches (and data-parallel replicas) of each microbatch's loss
+        plus its auxiliary losses. Each microbatch back-propagates its loss unscaled, and each
+        auxiliary loss seeds its own gradient with its coefficient (`dynmo.model.aux_loss`), so
+        no layer needs to know the microbatch count; the summed gradients are divided here by
+        the number of microbatches, and by the number of replicas in the data-parallel
+        reduction (`_sync_data_parallel_grads`)."""
+        for g in self._grads():
+            g.div_(self.microbatches)
 
     def _sync_data_parallel_grads(self) -> None:
         if self.ctx.dp_group is None:

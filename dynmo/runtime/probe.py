@@ -49,16 +49,17 @@ def measure_speeds(ctx: DistContext) -> list[float]:
 
 
 def measure_links(ctx: DistContext, microbatch: int, seq_len: int, d_model: int, rounds: int = 5,
-                  probe_bytes: int = 8 << 20) -> list[float]:
+                  probe_bytes: int = 8 << 20, elem_bytes: int = 4) -> list[float]:
     """Seconds per microbatch on each link j -> j+1 of this replica's pipeline, averaged over
     replicas; the same list on every rank.
 
     Bandwidth, not latency: schedules send activations asynchronously, so a message's latency
     overlaps compute, while the bytes occupy the link. Each link ping-pongs a buffer of at
     least `probe_bytes` (to amortise latency) and the cost of a microbatch is its boundary
-    bytes (hidden state + token mask) forward plus the gradient back, at that bandwidth."""
+    bytes (hidden state of `elem_bytes` per value + token mask) forward plus the gradient back,
+    at that bandwidth."""
     pp, me = ctx.pp, ctx.pp_rank
-    act_bytes = microbatch * seq_len * (4 * d_model + 1)
+    act_bytes = microbatch * seq_len * (elem_bytes * d_model + 1)
     buf = torch.zeros(max(probe_bytes, act_bytes) // 4, device=ctx.device)
     links = torch.zeros(max(pp - 1, 1), dtype=torch.float64)
     for j in range(pp - 1):  # every rank walks the links in order; only the two ends act
@@ -85,8 +86,8 @@ def measure_links(ctx: DistContext, microbatch: int, seq_len: int, d_model: int,
     return [statistics.fmean(float(parts[r * pp + j][j]) for r in range(ctx.dp)) for j in range(pp - 1)]
 
 
-def measure_workers(b: BalanceConfig, ctx: DistContext, microbatch: int, seq_len: int, d_model: int
-                    ) -> tuple[list[float], list[float] | None]:
+def measure_workers(b: BalanceConfig, ctx: DistContext, microbatch: int, seq_len: int, d_model: int,
+                    elem_bytes: int = 4) -> tuple[list[float], list[float] | None]:
     """Worker speeds and per-link transfer seconds per microbatch, as `[balance]` asks:
     `speeds` given, or `workers = "measure"` (within 10% of the reference is noise, not a
     slower worker), else equal; links measured unless `links = "free"`."""
@@ -97,5 +98,5 @@ def measure_workers(b: BalanceConfig, ctx: DistContext, microbatch: int, seq_len
         speeds = list(b.speeds)
     transfer = None
     if b.links == "measure" and ctx.pp > 1:
-        transfer = measure_links(ctx, microbatch, seq_len, d_model)
+        transfer = measure_links(ctx, microbatch, seq_len, d_model, elem_bytes=elem_bytes)
     return speeds, transfer

@@ -129,7 +129,7 @@ def gather_record(pipe: Pipeline, step: int, res: StepResult, events: list[dict]
         events=events,
         stats=merge_layer_stats([p.stats for p in parts], n) if any(p.stats for p in parts) else {},
     )
-    if ctx.device.type == "cuda":
+    if all(p.result.peak_bytes for p in parts):  # measured on every rank (0 = the platform cannot say)
         rec.worker_peak_memory_bytes = [float(max(parts[r * pp + w].result.peak_bytes for r in range(dp)))
                                         for w in range(pp)]
     return rec

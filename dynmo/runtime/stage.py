@@ -19,16 +19,29 @@ perf_counter on CPU, CUDA events on GPU, resolved after the step):
 
 With `profile=False` the module runs its layers with no marks, hooks or counters (to measure
 what the profiler costs).
+
+Numerics and memory, per layer, wherever the layer sits:
+  bf16      the forward runs under autocast and every layer's floating outputs are cast to
+            bf16, so the activations between layers -- and so between stages -- are bf16 at
+            every layer boundary, whatever the layout (a re-layout moves no rounding).
+  recompute a checkpointed block runs under torch.utils.checkpoint (non-reentrant): it keeps
+            only its inputs, which the memory record counts, and recomputes its forward inside
+            its own backward span, so its measured backward time includes the recomputation.
+            The recomputation runs with step statistics paused (a forward counted once).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
+from torch.utils.checkpoint import checkpoint
+
+from dynmo.model import stats
 
 
 class Clock:
@@ -57,13 +70,37 @@ class StageModule(nn.Module):
     """Runs its layers in order; keys are the stable layer names (embed, block3, head)."""
 
     def __init__(self, names: list[str], layers: list[nn.Module], indices: list[int], profile: bool = True,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, dtype: torch.dtype = torch.float32,
+                 recompute: frozenset[int] = frozenset()):
         super().__init__()
         self.layers = nn.ModuleDict(dict(zip(names, layers)))
         self.indices = indices  # global layer index of each local layer
         self.profile = profile
-        self.clock = Clock(device or torch.device("cpu"))
+        device = device or torch.device("cpu")
+        self.clock = Clock(device)
+        # compute dtype: bf16 = autocast over the (fp32) parameters, bf16 between layers
+        self.dtype = dtype
+        self.autocast_device = device.type
+        self.recompute = [i in recompute for i in indices]  # per local layer: checkpointed
         self.reset_timers()
+
+    def _autocast(self):
+        if self.dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(device_type=self.autocast_device, dtype=self.dtype)
+
+    def _run(self, k: int, layer: nn.Module, args: tuple) -> tuple:
+        """Layer k on `args` (recomputed in backward if checkpointed); outputs as a tuple, floating
+        ones in the compute dtype."""
+        if self.recompute[k] and torch.is_grad_enabled():
+            out = checkpoint(layer, *args, use_reentrant=False, context_fn=_recompute_context)
+        else:
+            out = layer(*args)
+        if not isinstance(out, tuple):
+            out = (out,)
+        if self.dtype != torch.float32:
+            out = tuple(t.to(self.dtype) if t.is_floating_point() else t for t in out)
+        return out
 
     def reset_timers(self) -> None:
         # spans: (bucket, local layer position, microbatch, start mark, end mark); buckets f, b, w, c
@@ -76,13 +113,17 @@ class StageModule(nn.Module):
         self._mark = None
 
     def forward(self, *args):
-        if not self.profile:
-            out = args
-            for layer in self.layers.values():
-                out = layer(*out)
-                if not isinstance(out, tuple):
-                    out = (out,)
-            return out[0] if len(out) == 1 else out
+        with self._autocast():
+            out = self._forward(args) if self.profile else self._forward_plain(args)
+        return out[0] if len(out) == 1 else out
+
+    def _forward_plain(self, args: tuple) -> tuple:
+        out = args
+        for k, layer in enumerate(self.layers.values()):
+            out = self._run(k, layer, out)
+        return out
+
+    def _forward(self, args: tuple) -> tuple:
         out = args
         grad = torch.is_grad_enabled()
         if grad:
@@ -95,18 +136,21 @@ class StageModule(nn.Module):
         t = clock.mark()
         for k, layer in enumerate(self.layers.values()):
             if grad:
-                with torch.autograd.graph.saved_tensors_hooks(self._packer(k, seen), _unpack):
-                    out = layer(*out)
+                pack = self._packer(k, seen)
+                if self.recompute[k]:  # what a checkpointed layer keeps: its inputs
+                    for a in out:
+                        if isinstance(a, torch.Tensor):
+                            pack(a)
+                with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+                    out = self._run(k, layer, out)
             else:
-                out = layer(*out)
-            if not isinstance(out, tuple):
-                out = (out,)
+                out = self._run(k, layer, out)
             now = clock.mark()
             self.spans.append(("f", k, self.forwards, t, now))
             t = now
             if grad and k < last and out[0].requires_grad:
                 self._hook(out[0], k + 1)
-        return out[0] if len(out) == 1 else out
+        return out
 
     def _packer(self, k: int, seen: set[int]):
         def pack(t: torch.Tensor):
@@ -204,6 +248,12 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _recompute_context():
+    """torch.utils.checkpoint's (forward, recompute) contexts: the recomputation is not a new
+    forward for the layers' step statistics."""
+    return nullcontext(), stats.paused()
+
+
 class TimedPipelineStage(PipelineStage):
     """PipelineStage that adds up the time it spends computing (not waiting or sending)."""
 
@@ -252,16 +302,18 @@ class TimedPipelineStage(PipelineStage):
 
 
 def example_io(
-    first: bool, last: bool, mb: int, seq_len: int, d_model: int, vocab: int, device: torch.device
+    first: bool, last: bool, mb: int, seq_len: int, d_model: int, vocab: int, device: torch.device,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-    """Static input/output examples so a rebuilt stage needs no shape inference."""
+    """Static input/output examples so a rebuilt stage needs no shape inference; hidden states
+    and logits in the compute dtype (what crosses a stage boundary)."""
 
     def hidden():
         return (
-            torch.empty(mb, seq_len, d_model, device=device, requires_grad=True),
+            torch.empty(mb, seq_len, d_model, device=device, dtype=dtype, requires_grad=True),
             torch.empty(mb, seq_len, dtype=torch.bool, device=device),
         )
 
     inputs = (torch.empty(mb, seq_len, dtype=torch.long, device=device),) if first else hidden()
-    outputs = (torch.empty(mb, seq_len, vocab, device=device, requires_grad=True),) if last else hidden()
+    outputs = (torch.empty(mb, seq_len, vocab, device=device, dtype=dtype, requires_grad=True),) if last else hidden()
     return inputs, outputs
