@@ -10,13 +10,13 @@ import json
 from pathlib import Path
 
 from dynmo import hf_config
-from dynmo.config import Config, ConfigError
+from dynmo.config import Config, ConfigError, ModelConfig
 from dynmo.loop import check_balance
 from dynmo.model.families import check_block
 from dynmo.plan import DTYPES, explicit_layout, num_layers, parse_relayouts, recompute_blocks, resolve_pp
 from dynmo.schedules import TRAINABLE, ScheduleError, get_schedule
 
-MODEL_SHAPE_FIELDS = ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "mlp_ratio")
+MODEL_SHAPE_FIELDS = ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "mlp_ratio", "tie_embeddings")
 
 
 def validate(cfg: Config, world: int) -> None:
@@ -164,10 +164,11 @@ def check_checkpoint(cfg: Config, path: str) -> dict:
     if not meta_path.is_file():
         raise ConfigError(f"checkpoint.resume={path!r} is not a dynmo checkpoint (no dynmo.json inside)")
     meta = json.loads(meta_path.read_text())
+    saved = {k: meta["model"].get(k, getattr(ModelConfig(), k)) for k in MODEL_SHAPE_FIELDS}  # older: defaults
     diffs = [
-        f"model.{k}: checkpoint {meta['model'].get(k)} vs config {getattr(cfg.model, k)}"
+        f"model.{k}: checkpoint {saved[k]} vs config {getattr(cfg.model, k)}"
         for k in MODEL_SHAPE_FIELDS
-        if meta["model"].get(k) != getattr(cfg.model, k)
+        if saved[k] != getattr(cfg.model, k)
     ]
     if diffs:
         raise ConfigError(

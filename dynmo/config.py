@@ -66,7 +66,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5  # RMSNorm epsilon
     attention_bias: bool = False  # biases on the q, k, v projections (qwen2)
-    tie_embeddings: bool = False  # one tensor for the token embedding and the LM head (docs/numerics.md)
+    tie_embeddings: bool = False  # one tensor for the token embedding and the LM head (docs/models.md)
     # A Hugging Face checkpoint folder (config.json, safetensors, tokenizer.json): the architecture
     # comes from its config.json (overriding the fields above), the initial weights from its
     # safetensors files and the tokenizer from its tokenizer.json.

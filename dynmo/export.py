@@ -7,7 +7,9 @@ are read one output shard at a time (`torch.distributed.checkpoint.load(..., no_
 so memory holds one shard, not the model. Optimizer state (`optim.*`) is not exported. OUT gets
 config.json, safetensors (sharded above --max-shard-size, with model.safetensors.index.json,
 the layout transformers writes) and, when the run started from `model.hf_path`, that folder's
-tokenizer files. Only llama- and mixtral-family models have a Hugging Face counterpart.
+tokenizer files. Only llama- and mixtral-family models have a Hugging Face counterpart. A model
+trained with `model.tie_embeddings` exports with `tie_word_embeddings: true` and no
+`lm_head.weight` (the checkpoint holds the tied tensor once, as the embedding's).
 """
 
 from __future__ import annotations
@@ -75,13 +77,16 @@ def plan(path: Path, model: ModelConfig, meta: dict) -> tuple[list[tuple], list[
 
     Every parameter of every layer must be in the checkpoint with the shape the config implies;
     other weight keys (what a dynamic-model case added to a layer) have no Hugging Face name.
+    The head's copy of a tied embedding is not a parameter of its own: the checkpoint stores it
+    as the embedding's tensor, which the export writes once.
     """
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from dynmo.model.layers import layer_class, layer_specs
+    from dynmo.model.layers import family, layer_class, layer_specs
 
     specs = layer_specs(model)
+    tied_head = family(model).tied[1] if model.tie_embeddings else None
     if meta.get("layer_names") and meta["layer_names"] != [s.name for s in specs]:
         raise ExportError(f"{path}: its layers {meta['layer_names']} do not match its model section")
     stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
@@ -92,6 +97,8 @@ def plan(path: Path, model: ModelConfig, meta: dict) -> tuple[list[tuple], list[
         for pname, p in layer.named_parameters():
             key = f"{spec.name}.{pname}"
             wanted.add(key)
+            if spec.letter == "L" and pname == tied_head:
+                continue
             info = stored.get(key)
             if info is None or not hasattr(info, "size"):
                 raise ExportError(f"{path} has no tensor {key}, which the {model.family} model needs")

@@ -4,12 +4,12 @@
 
 With `model.hf_path` set, the architecture fields of `cfg.model` are overwritten from the
 folder's config.json, and everything dynmo would otherwise compute differently from
-transformers is refused with one line naming the field: an unsupported model_type, tied
-embeddings, scaled rope, an activation other than SiLU, a sliding window shorter than
-`model.seq_len`, biases dynmo's layers lack. The safetensors headers are read (names and shapes
-only, never the data) and must hold exactly the tensors the resolved model needs, and the
-folder's tokenizer.json must fit in the embedding. All of this is stdlib: the launcher runs it
-before torchrun starts, and every rank runs it again, so every rank resolves the same model.
+transformers is refused with one line naming the field: an unsupported model_type, scaled
+rope, an activation other than SiLU, a sliding window shorter than `model.seq_len`, biases
+dynmo's layers lack. The safetensors headers are read (names and shapes only, never the
+data) and must hold exactly the tensors the resolved model needs, and the folder's
+tokenizer.json must fit in the embedding. All of this is stdlib: the launcher runs it before
+torchrun starts, and every rank runs it again, so every rank resolves the same model.
 
 The name mapping (`hf_names`) lives here too, so the checks, the loader (`dynmo.model.hf`) and
 the exporter agree on one table.
@@ -31,6 +31,10 @@ DEFAULT_EPS = {"llama": 1e-6, "mistral": 1e-6, "qwen2": 1e-6, "mixtral": 1e-5}
 EXPERTS = "block_sparse_moe.experts."  # dynmo's stacked expert parameters: <EXPERTS>w1, w2, w3
 # Tensors older checkpoints carry that dynmo recomputes instead of storing.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# With tie_word_embeddings the head reads the embedding's tensor: dynmo's head parameter
+# TIED_HEAD maps to TIED_EMBEDDING, and a stale lm_head.weight on disk is unused (transformers
+# ties it to the embedding on load, too).
+TIED_EMBEDDING, TIED_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 FLOAT_DTYPES = {"F32", "F16", "BF16", "F64"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -38,9 +42,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def apply(cfg: Config) -> None:
     """Resolve `cfg.model` from `model.hf_path` (if set) and refuse what dynmo does not implement."""
     m = cfg.model
-    if m.tie_embeddings:
-        raise ConfigError("model.tie_embeddings = true: shared input/output embeddings are not implemented "
-                          "in dynmo; set model.tie_embeddings = false")
     if not m.hf_path:
         return
     folder = Path(m.hf_path).expanduser().resolve()
@@ -102,9 +103,6 @@ def resolve(m: ModelConfig, hf: dict, where: Path | None = None) -> None:
     if mt not in SUPPORTED:
         raise ConfigError(f"{where}: model_type {mt!r} is not supported; dynmo implements "
                           f"{', '.join(SUPPORTED)} (model.hf_path)")
-    if hf.get("tie_word_embeddings", False):
-        raise ConfigError(f"{where}: tie_word_embeddings = true: dynmo keeps separate input and output "
-                          "embeddings; untie the checkpoint first (docs/models.md shows how)")
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"{where}: hidden_act {act!r}: dynmo's SwiGLU MLP uses silu; use a silu checkpoint")
@@ -140,6 +138,11 @@ def resolve(m: ModelConfig, hf: dict, where: Path | None = None) -> None:
     m.norm_eps = _field(hf, where, "rms_norm_eps", DEFAULT_EPS[mt], float)
     m.rope_theta = _rope(hf, where)
     m.attention_bias = mt == "qwen2"  # Qwen2 always has q/k/v biases (and none on o_proj)
+    tied = hf.get("tie_word_embeddings")
+    tied = False if tied is None else tied  # transformers' default for these model types
+    if not isinstance(tied, bool):
+        raise ConfigError(f"{where}: tie_word_embeddings={tied!r} must be true or false")
+    m.tie_embeddings = tied
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"{where}: num_attention_heads={m.n_heads} is not a multiple of "
                           f"num_key_value_heads={m.n_kv_heads}")
@@ -154,21 +157,29 @@ def resolve(m: ModelConfig, hf: dict, where: Path | None = None) -> None:
 
 
 # ---- names ---------------------------------------------------------------------------------
-def hf_names(letter: str, block: int | None, pname: str, num_experts: int) -> list[str]:
+def hf_names(letter: str, block: int | None, pname: str, num_experts: int, tied: bool = False) -> list[str]:
     """Hugging Face tensor names of parameter `pname` of a dynmo layer ("E", "t" + block number, "L").
 
     A stacked expert parameter (`block_sparse_moe.experts.w1`, [experts, ...]) has one name per
-    expert, in expert order; every other parameter has exactly one.
+    expert, in expert order; every other parameter has exactly one. With `tied`
+    (tie_word_embeddings) the head's `lm_head.weight` is the embedding's tensor.
     """
     if letter == "E":
         return [f"model.{pname}"]
     if letter == "L":
+        if tied and pname == TIED_HEAD:
+            return [TIED_EMBEDDING]
         return [pname if pname.startswith("lm_head.") else f"model.{pname}"]
     prefix = f"model.layers.{block}."
     if pname.startswith(EXPERTS):
         w = pname[len(EXPERTS):]
         return [f"{prefix}{EXPERTS}{j}.{w}.weight" for j in range(num_experts)]
     return [prefix + pname]
+
+
+def unused(name: str, m: ModelConfig) -> bool:
+    """A checkpoint tensor dynmo does not load: one it recomputes, or a tied model's lm_head.weight."""
+    return name.endswith(IGNORED_SUFFIXES) or (m.tie_embeddings and name == TIED_HEAD)
 
 
 def layer_prefixes(letter: str, block: int | None) -> tuple[str, ...]:
@@ -209,11 +220,12 @@ def param_shapes(m: ModelConfig) -> list[tuple[str, int | None, dict[str, tuple[
 
 
 def expected_tensors(m: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Hugging Face name -> shape of every tensor a checkpoint of this model holds."""
+    """Hugging Face name -> shape of every tensor a checkpoint of this model holds (a tied model:
+    no lm_head.weight)."""
     out: dict[str, tuple[int, ...]] = {}
     for letter, block, params in param_shapes(m):
         for pname, shape in params.items():
-            for name in hf_names(letter, block, pname, m.moe.num_experts):
+            for name in hf_names(letter, block, pname, m.moe.num_experts, m.tie_embeddings):
                 out[name] = shape[1:] if pname.startswith(EXPERTS) else shape
     return out
 
@@ -266,7 +278,7 @@ def check_weights(m: ModelConfig, folder: Path) -> None:
     if missing:
         raise ConfigError(f"{folder}: the safetensors lack {len(missing)} tensors the {m.family} model of "
                           f"config.json needs, first {missing[0]}; copy the whole checkpoint folder")
-    extra = [n for n in found if n not in want and not n.endswith(IGNORED_SUFFIXES)]
+    extra = [n for n in found if n not in want and not unused(n, m)]
     if extra:
         raise ConfigError(f"{folder}: {len(extra)} tensors dynmo's {m.family} layers do not have, first {extra[0]} "
                           "(a variant dynmo does not implement)")

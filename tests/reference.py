@@ -1,5 +1,11 @@
 """Single-process reference training: the same layers, data and update as the pipeline,
-run as one model that accumulates the same microbatches. What the pipeline must equal."""
+run as one model that accumulates the same microbatches. What the pipeline must equal.
+
+With `model.tie_embeddings` the reference is a genuinely tied model: the head's output layer
+holds the embedding's nn.Parameter itself, autograd sums both uses into one gradient, AdamW
+and the gradient norm see each parameter once. It does not use dynmo.runtime.tie, which keeps
+two copies on two ranks: that is what it checks.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +17,15 @@ from dynmo.model.gpt import loss_fn
 from dynmo.model.layers import build_layer, layer_specs
 from dynmo.runtime import optim
 
+# With tied embeddings: (embedding module, head module) whose `.weight` is one tensor, per family.
+TIED_MODULES = {"gpt": ("tok", "lm_head"), "llama": ("embed_tokens", "lm_head"), "mixtral": ("embed_tokens", "lm_head")}
+
 
 def reference_run(cfg: Config, steps: int, dp: int = 1):
     """Train `steps` steps (the LR schedule spans cfg.train.steps). Returns (per-step mean loss, final weights keyed like the checkpoints).
+
+    `cfg.model.tie_embeddings` ties the head's output weight to the embedding (one Parameter);
+    the tied tensor is then in the weights once, under the embedding's key.
 
     Runs on one thread, like each rank (OMP_NUM_THREADS=1): CPU kernels may sum in another
     order with more threads, which changes the last bits.
@@ -31,7 +43,22 @@ def _run(cfg: Config, steps: int, dp: int):
     data = TokenData.load(folder, cfg.model.seq_len, cfg.data.val_fraction, cfg.train.seed)
     specs = layer_specs(cfg.model)
     layers = {s.name: build_layer(s, cfg.model, cfg.train.seed) for s in specs}
-    opt = optim.build_optimizer(layers, cfg.train, torch.device("cpu"))
+    if cfg.model.tie_embeddings:
+        emb, head = TIED_MODULES[cfg.model.family]
+        getattr(layers["head"], head).weight = getattr(layers["embed"], emb).weight
+    # every Parameter once, under the first layer (in model order) that uses it
+    owned: dict[str, list[torch.nn.Parameter]] = {}
+    seen: set[int] = set()
+    for name, layer in layers.items():
+        owned[name] = [p for p in layer.parameters() if id(p) not in seen]
+        seen |= {id(p) for p in owned[name]}
+    params = [p for ps in owned.values() for p in ps]
+    tc = cfg.train
+    opt = torch.optim.AdamW(
+        [{"params": [p for p in params if p.dim() >= 2], "weight_decay": tc.weight_decay},
+         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+        lr=tc.lr, betas=(tc.beta1, tc.beta2), foreach=False,
+    )
     n_mb, G = cfg.train.microbatches, cfg.train.global_batch
     losses = []
     for step in range(steps):
@@ -50,10 +77,9 @@ def _run(cfg: Config, steps: int, dp: int):
                 loss.backward()
                 step_losses.append(loss.item())
             # a parameter no loss reaches (e.g. an unused MoD predictor) keeps no gradient, as in AdamW
-            grads = [None if p.grad is None else p.grad.div_(n_mb).clone() for layer in layers.values() for p in layer.parameters()]
+            grads = [None if p.grad is None else p.grad.div_(n_mb).clone() for p in params]
             replica_grads.append(grads)
             opt.zero_grad(set_to_none=True)
-        params = [p for layer in layers.values() for p in layer.parameters()]
         for k, p in enumerate(params):
             g = replica_grads[0][k]
             if g is None:
@@ -61,7 +87,7 @@ def _run(cfg: Config, steps: int, dp: int):
             for r in range(1, dp):
                 g = g + replica_grads[r][k]
             p.grad = g.div_(dp) if dp > 1 else g
-        sq = torch.stack([optim.layer_sq_norm(layer) for layer in layers.values()])
+        sq = torch.stack([_sq_norm(ps) for ps in owned.values()])  # per layer, in layer order
         _, scale = optim.clip_coefficient(sq, cfg.train.grad_clip)
         if scale != 1.0:
             for p in params:
@@ -72,8 +98,19 @@ def _run(cfg: Config, steps: int, dp: int):
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(sum(step_losses) / len(step_losses))
-    weights = {f"{name}.{k}": v.detach().clone() for name, layer in layers.items() for k, v in layer.state_dict().items()}
+    weights, kept = {}, set()
+    for name, layer in layers.items():
+        for k, v in layer.state_dict(keep_vars=True).items():
+            if id(v) not in kept:  # a tied tensor once, as the embedding's
+                weights[f"{name}.{k}"] = v.detach().clone()
+                kept.add(id(v))
     return losses, weights
+
+
+def _sq_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """Squared L2 norm of the gradients, in parameter order."""
+    norms = [p.grad.detach().float().pow(2).sum() for p in params if p.grad is not None]
+    return torch.stack(norms).sum() if norms else torch.zeros((), dtype=torch.float32)
 
 
 def tiny_config(*overrides: str) -> Config:

@@ -147,7 +147,7 @@ def test_old_top_level_rope_theta_and_qwen2_biases():
 
 @pytest.mark.parametrize("change,message", [
     ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported; dynmo implements llama, mistral, qwen2, mixtral"),
-    ({"tie_word_embeddings": True}, "tie_word_embeddings = true"),
+    ({"tie_word_embeddings": "yes"}, "tie_word_embeddings='yes' must be true or false"),
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, "rope_type 'llama3'"),
     ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_type 'linear'"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
@@ -176,7 +176,6 @@ def test_missing_files_and_plain_config_options_are_refused(tmp_path, hf_dirs):
             hf_config.apply(cfg)
         return str(e.value)
 
-    assert "model.tie_embeddings = true" in err(tie_embeddings=True)
     assert "is not a folder" in err(hf_path=str(tmp_path / "nope"))
     assert "has no config.json" in err(hf_path=str(tmp_path))
     bare = tmp_path / "bare"
@@ -257,13 +256,16 @@ def test_data_is_tokenized_with_the_folders_tokenizer(tmp_path, hf_dirs):
 
 # ---- export --------------------------------------------------------------------------------
 def save_dynmo_checkpoint(path: Path, cfg: Config, layers) -> None:
-    """What dynmo.runtime.checkpoint.save writes, from one process: `{layer}.{param}` + optim.* keys."""
+    """What dynmo.runtime.checkpoint.save writes, from one process: `{layer}.{param}` + optim.* keys
+    (a tied model's head copy is the embedding's tensor, stored once under the embedding's key)."""
     import torch.distributed.checkpoint as dcp
 
     specs = layer_specs(cfg.model)
     sd = {}
     for spec, layer in zip(specs, layers):
         for k, v in layer.state_dict().items():
+            if cfg.model.tie_embeddings and spec.letter == "L" and k == "lm_head.weight":
+                continue
             sd[f"{spec.name}.{k}"] = v
             sd[f"optim.{spec.name}.{k}.exp_avg"] = torch.zeros_like(v)
     with warnings.catch_warnings():
@@ -417,7 +419,6 @@ def edit_config(folder: Path, **change) -> None:
 
 @pytest.mark.parametrize("case,message", [
     ("model_type", "model_type 'gpt_neox' is not supported; dynmo implements llama, mistral, qwen2, mixtral"),
-    ("tied", "tie_word_embeddings = true"),
     ("no_weights", "has no model.safetensors or model.safetensors.index.json"),
     ("big_vocab", "has 400 tokens but the model's vocab_size is 320"),
 ])
@@ -425,8 +426,6 @@ def test_dynmo_train_refuses_a_bad_hf_folder_before_torchrun(tmp_path, case, mes
     folder = save_model(tmp_path / "m", "llama", vocab=320, tokenizer_vocab=400 if case == "big_vocab" else 300)
     if case == "model_type":
         edit_config(folder, model_type="gpt_neox")
-    elif case == "tied":
-        edit_config(folder, tie_word_embeddings=True)
     elif case == "no_weights":
         (folder / "model.safetensors").unlink()
     cmd = [sys.executable, "-m", "dynmo.cli", "train", "--nproc", "2", "--out", str(tmp_path / "run"), *TINY,

@@ -189,7 +189,8 @@ class Embedding(nn.Module):
 class Head(nn.Module):
     """Final norm + LM head (L). The loss (`loss_fn`) is applied to its logits by the schedule.
 
-    Not weight-tied to the embedding: E and L usually live on different stages.
+    With `model.tie_embeddings`, `lm_head.weight` is a copy of the embedding's `tok.weight` kept
+    equal by the runtime (`dynmo.runtime.tie`): E and L usually live on different stages.
     """
 
     def __init__(self, cfg: ModelConfig):

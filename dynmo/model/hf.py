@@ -9,7 +9,9 @@ A rank reads only the tensors of the layers it builds: `HFReader` opens the file
 `safetensors.safe_open` (memory-mapped) and reads tensor by tensor, counting what it read, so a
 pipeline stage never pulls a whole multi-gigabyte checkpoint. The name table is
 `dynmo.hf_config.hf_names` (pure, shared with the checks and the exporter); the Mixtral
-experts, one tensor per expert on disk, are stacked per projection in dynmo.
+experts, one tensor per expert on disk, are stacked per projection in dynmo. A tied model
+(`tie_word_embeddings`) has no `lm_head.weight`: the head reads, and the export writes, the
+embedding's `model.embed_tokens.weight`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from dynmo.config import ModelConfig
-from dynmo.hf_config import EXPERTS, IGNORED_SUFFIXES, hf_names, layer_prefixes
+from dynmo.hf_config import EXPERTS, TIED_HEAD, hf_names, layer_prefixes, unused
 from dynmo.model.layers import LayerSpec
 
 
@@ -96,7 +98,7 @@ def load_layer(layer: nn.Module, spec: LayerSpec, cfg: ModelConfig, reader: HFRe
     used: list[str] = []
     with torch.no_grad():
         for pname, p in layer.named_parameters():
-            names = hf_names(letter, block, pname, cfg.moe.num_experts)
+            names = hf_names(letter, block, pname, cfg.moe.num_experts, cfg.tie_embeddings)
             stacked = pname.startswith(EXPERTS)
             if stacked and len(names) != p.shape[0]:
                 raise HFCheckpointError(f"{spec.name}.{pname} stacks {p.shape[0]} experts, the config has "
@@ -114,7 +116,7 @@ def load_layer(layer: nn.Module, spec: LayerSpec, cfg: ModelConfig, reader: HFRe
     prefixes = layer_prefixes(letter, block)
     mine = set(used)
     extra = [n for n in reader.keys()
-             if n.startswith(prefixes) and n not in mine and not n.endswith(IGNORED_SUFFIXES)]
+             if n.startswith(prefixes) and n not in mine and not unused(n, cfg)]
     if extra:
         raise HFCheckpointError(f"{reader.folder}: {extra[0]} (and {len(extra) - 1} more) have no place in dynmo's "
                                 f"{spec.name}; the checkpoint is a variant dynmo does not implement")
@@ -122,7 +124,10 @@ def load_layer(layer: nn.Module, spec: LayerSpec, cfg: ModelConfig, reader: HFRe
 
 
 def to_hf(spec: LayerSpec, pname: str, tensor: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Hugging Face name -> tensor for one dynmo parameter; stacked experts split into one per expert."""
+    """Hugging Face name -> tensor for one dynmo parameter; stacked experts split into one per expert.
+    Nothing for the head's copy of a tied embedding: the embedding's tensor stands for both."""
+    if cfg.tie_embeddings and spec.letter == "L" and pname == TIED_HEAD:
+        return {}
     names = hf_names(spec.letter, spec.block, pname, cfg.moe.num_experts)
     if pname.startswith(EXPERTS):
         if tensor.shape[0] != len(names):
@@ -173,7 +178,7 @@ def hf_config_dict(cfg: ModelConfig, base: dict | None = None) -> dict:
         # both spellings: transformers 5 reads rope_parameters, older versions the top-level field
         "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
         "rope_theta": cfg.rope_theta,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": cfg.tie_embeddings,
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
         "use_cache": True,

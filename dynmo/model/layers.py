@@ -6,7 +6,8 @@ can build any layer: at start-up the layers of its stages, later a layer that mi
 weights wherever it is built.
 
 A model family (`FAMILIES`, chosen by `model.family`) supplies the embedding, the head, its
-block variants (chosen by `model.block`) and its initialisation. Every block takes
+block variants (chosen by `model.block`), its initialisation and the names of the two tensors
+`model.tie_embeddings` shares (`Family.tied`). Every block takes
 `(cfg: ModelConfig)` and maps `(x, mask) -> (x, mask)` with fixed shapes; the runtime, the
 balancers and the cases ask the spec what a layer is (`is_block`), never its class.
 """
@@ -34,14 +35,20 @@ class Family:
     head: type[nn.Module]
     blocks: dict[str, type[nn.Module]]  # model.block -> block class
     init_weights: Callable[[nn.Module, ModelConfig], None]
+    # (embedding parameter, head parameter): one logical tensor with model.tie_embeddings.
+    # The two layers live on different stages, so each keeps a copy (dynmo.runtime.tie).
+    tied: tuple[str, str]
 
 
 FAMILIES: dict[str, Family] = {
     "gpt": Family(gpt.Embedding, gpt.Head,
-                  {"dense": gpt.Block, "moe": MoEBlock, "hashattn": HashAttnBlock, "mod": MoDBlock}, gpt.init_weights),
+                  {"dense": gpt.Block, "moe": MoEBlock, "hashattn": HashAttnBlock, "mod": MoDBlock}, gpt.init_weights,
+                  ("tok.weight", "lm_head.weight")),
     "llama": Family(llama.Embedding, llama.Head,
-                    {"dense": llama.Block, "mod": LlamaMoDBlock, "hashattn": LlamaHashAttnBlock}, llama.init_weights),
-    "mixtral": Family(llama.Embedding, llama.Head, {"moe": mixtral.Block}, llama.init_weights),
+                    {"dense": llama.Block, "mod": LlamaMoDBlock, "hashattn": LlamaHashAttnBlock}, llama.init_weights,
+                    ("embed_tokens.weight", "lm_head.weight")),
+    "mixtral": Family(llama.Embedding, llama.Head, {"moe": mixtral.Block}, llama.init_weights,
+                      ("embed_tokens.weight", "lm_head.weight")),
 }
 BLOCKS = FAMILIES["gpt"].blocks  # the GPT's block variants
 # the names the config checks know, without torch, are these
@@ -97,11 +104,20 @@ def layer_class(spec: LayerSpec, cfg: ModelConfig) -> type[nn.Module]:
 
 
 def build_layer(spec: LayerSpec, cfg: ModelConfig, seed: int, device: torch.device | str = "cpu") -> nn.Module:
-    """Build one layer with weights that depend only on (seed, spec), not on where it is built."""
+    """Build one layer with weights that depend only on (seed, spec), not on where it is built.
+
+    With `model.tie_embeddings` the head's tied tensor starts as the embedding's: the embedding
+    is built here too, from its own seed, so the head needs no other rank to get it.
+    """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed * 1_000_003 + spec.index)
         layer = layer_class(spec, cfg)(cfg)
         family(cfg).init_weights(layer, cfg)
+    if cfg.tie_embeddings and spec.letter == "L":
+        emb_name, head_name = family(cfg).tied
+        embedding = build_layer(LayerSpec("E", 0), cfg, seed)
+        with torch.no_grad():
+            layer.get_parameter(head_name).copy_(embedding.get_parameter(emb_name))
     return tag_layer(layer, spec).to(device)
 
 

@@ -4,6 +4,13 @@ Keys: `{layer}.{param}` for weights and `optim.{layer}.{param}.{step|exp_avg|exp
 AdamW state, e.g. `block3.attn.qkv.weight`. Each rank saves and loads only its own layers, so
 a run can resume under any layout, number of stages or schedule. `dynmo.json` beside the
 shards records the step, the model shape and the layout it was saved with.
+
+Tied embeddings (`model.tie_embeddings`) are one tensor with a copy on each of two ranks
+(`dynmo.runtime.tie`): both copies, and their AdamW state, are stored once under the
+embedding's keys (`embed.tok.weight`, `optim.embed.tok.weight.exp_avg`, ...), never as
+`head.lm_head.weight`. Both owners may write the key, as data-parallel replicas do (DCP writes
+it once; the copies are bitwise equal), and both load it, so a resume under another layout or
+rank count fills both copies.
 """
 
 from __future__ import annotations
@@ -20,19 +27,42 @@ from dynmo.runtime import optim
 from dynmo.runtime.pipeline import Pipeline
 
 
+def _key(pipe: Pipeline, index: int, pname: str) -> str:
+    """`{layer}.{param}`; the head's copy of a tied embedding is keyed as the embedding's tensor."""
+    if pipe.tie is not None:
+        index, pname = pipe.tie.stored_as(index, pname)
+    return f"{pipe.specs[index].name}.{pname}"
+
+
 def _state_dict(pipe: Pipeline, with_optim: bool) -> dict[str, torch.Tensor]:
+    """This rank's tensors by checkpoint key. Layers in index order, so when one rank holds both
+    copies of a tied embedding the key gets the embedding's (`_fill_tied_copy` fills the other)."""
     sd: dict[str, torch.Tensor] = {}
-    for i, layer in pipe.layers.items():
-        name = pipe.specs[i].name
+    for i in sorted(pipe.layers):
+        layer = pipe.layers[i]
         for k, v in layer.state_dict().items():
-            sd[f"{name}.{k}"] = v
+            sd.setdefault(_key(pipe, i, k), v)
         if with_optim:
             for pname, p in layer.named_parameters():
                 st = pipe.optimizer.state.get(p)
                 if st:
                     for key in optim.STATE_KEYS:
-                        sd[f"optim.{name}.{pname}.{key}"] = st[key]
+                        sd.setdefault(f"optim.{_key(pipe, i, pname)}.{key}", st[key])
     return sd
+
+
+def _fill_tied_copy(pipe: Pipeline) -> None:
+    """After a load on a rank that holds both copies of a tied embedding: the head's copy (and
+    its AdamW state) becomes the embedding's, which is what the checkpoint filled."""
+    tie = pipe.tie
+    if tie is None or not (tie.holds_embed and tie.holds_head):
+        return
+    pe = pipe.layers[tie.embed[0]].get_parameter(tie.embed[1])
+    ph = pipe.layers[tie.head[0]].get_parameter(tie.head[1])
+    with torch.no_grad():
+        ph.copy_(pe)
+    if pipe.optimizer.state.get(pe):
+        pipe.optimizer.state[ph] = {k: v.clone() for k, v in pipe.optimizer.state[pe].items()}
 
 
 def save(pipe: Pipeline, path: Path, step: int, cfg: Config, cases: dict | None = None) -> None:
@@ -68,6 +98,10 @@ def load(pipe: Pipeline, path: Path) -> int:
     meta = read_meta(path)
     if meta["layer_names"] != [s.name for s in pipe.specs]:
         raise ValueError(f"checkpoint {path} has layers {meta['layer_names']}, the model has {[s.name for s in pipe.specs]}")
+    tied = bool(meta["model"].get("tie_embeddings", False))
+    if tied != pipe.cfg.model.tie_embeddings:
+        raise ValueError(f"checkpoint {path} was saved with model.tie_embeddings = {str(tied).lower()}; "
+                         f"resume with model.tie_embeddings = {str(tied).lower()}")
     if meta["has_optimizer_state"]:
         # AdamW state appears at the first step; allocate it so DCP can load in place.
         for layer in pipe.layers.values():
@@ -82,4 +116,5 @@ def load(pipe: Pipeline, path: Path) -> int:
     sd = _state_dict(pipe, with_optim=meta["has_optimizer_state"])
     # state_dict() tensors share storage with the parameters: DCP loads into them in place.
     dcp.load(sd, checkpoint_id=str(path))
+    _fill_tied_copy(pipe)
     return int(meta["step"])

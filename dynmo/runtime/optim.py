@@ -55,9 +55,14 @@ def lr_at(step: int, tc: TrainConfig) -> float:
     return tc.min_lr + 0.5 * (tc.lr - tc.min_lr) * (1 + math.cos(math.pi * frac))
 
 
-def layer_sq_norm(layer: nn.Module) -> torch.Tensor:
-    """Squared L2 norm of a layer's gradients, computed in a fixed order."""
-    norms = [p.grad.detach().float().pow(2).sum() for p in layer.parameters() if p.grad is not None]
+def layer_sq_norm(layer: nn.Module, skip: tuple[str, ...] = ()) -> torch.Tensor:
+    """Squared L2 norm of a layer's gradients, computed in a fixed order.
+
+    `skip` names parameters left out: a copy of a tensor another layer already counts (the
+    head's copy of a tied embedding), so the norm sees each logical tensor once.
+    """
+    norms = [p.grad.detach().float().pow(2).sum() for n, p in layer.named_parameters()
+             if p.grad is not None and n not in skip]
     if not norms:
         return torch.zeros((), dtype=torch.float32)
     return torch.stack(norms).sum()

@@ -27,6 +27,7 @@ from dynmo.runtime import optim
 from dynmo.runtime.dist import DistContext
 from dynmo.runtime.memory import PeakMemory
 from dynmo.runtime.schedules import schedule_class
+from dynmo.runtime.tie import tied_embeddings
 from dynmo.schedules import get_schedule, in_flight, stage_to_rank
 from dynmo.runtime.stage import StageModule, TimedPipelineStage, example_io
 from dynmo.runtime.transfer import Packet, recv_packet, send_packet
@@ -95,6 +96,7 @@ class Pipeline:
         self.released = False  # set when a re-pack took all this rank's layers away
         self.hf_read: tuple[int, int] | None = None  # tensors and bytes read from model.hf_path
         self.layers: dict[int, nn.Module] = self._build_layers(self._my_layers(layout))
+        self.tie = tied_embeddings(cfg.model, self.specs, ctx, self.placement)  # None unless model.tie_embeddings
         self.optimizer = optim.build_optimizer(self._named_layers(), cfg.train, ctx.device)
         # objects with prepare_layer/pack_layer/unpack_layer (dynamic-model cases): the per-layer
         # structure and state that must travel with a migrating layer
@@ -176,6 +178,8 @@ class Pipeline:
         self.schedule.step(inputs.to(self.ctx.device), target=targets.to(self.ctx.device), losses=losses)
         t_sched = time.perf_counter() - t0
         self._scale_grads()
+        if self.tie is not None:  # both copies of a tied embedding get g_E + g_L
+            self.tie.sum_grads(self.layers)
         self._sync_data_parallel_grads()
         grad_norm, scale = self._clip_grads()
         lr = optim.lr_at(step, self.cfg.train)
@@ -249,7 +253,8 @@ class Pipeline:
     def _clip_grads(self) -> tuple[float, float]:
         sq = torch.zeros(len(self.specs), dtype=torch.float32, device=self.ctx.device)
         for i, layer in self.layers.items():
-            sq[i] = optim.layer_sq_norm(layer).to(self.ctx.device)
+            skip = self.tie.norm_skip(i) if self.tie is not None else ()  # a tied tensor counts once
+            sq[i] = optim.layer_sq_norm(layer, skip).to(self.ctx.device)
         if self.ctx.pp > 1:
             # each entry is non-zero on exactly one rank, so the sum is exact
             dist.all_reduce(sq, group=self.ctx.pp_group)
@@ -322,6 +327,7 @@ class Pipeline:
             self.ctx = ctx
             self.num_stages = new.num_stages
             self.placement = stage_to_rank(self.num_stages, ctx.pp, self.schedule_info.placement)
+            self.tie = tied_embeddings(self.cfg.model, self.specs, ctx, self.placement)  # the head's rank moved
         if microbatches is not None:
             self.set_microbatches(microbatches)
         self.rebuild_optimizer(states)
