@@ -198,3 +198,27 @@ def test_checkpointing_keeps_fp32_losses_bitwise_and_travels_with_a_migrated_blo
     mem = loop.controller.memory
     state = recs[-1]["layer_state_bytes"]
     assert mem[2] - state[2] < mem[1] - state[1]
+
+
+def test_sparse_kernel_and_freeze_probe_under_bf16():
+    """The CSR kernel (no bf16 product on CPU) computes in fp32 and hands back bf16; the freeze
+    probe measures in fp32 from a bf16 input."""
+    from dynmo.dynamics.freeze import plasticity
+    from dynmo.model.sparse import set_mask, time_kernels
+
+    cfg, layers = tiny_model("gpt", "dense")
+    block = layers[1]
+    g = torch.Generator().manual_seed(3)
+    mask = torch.rand(block.mlp.fc.weight.shape, generator=g) > 0.7
+    set_mask(block, "mlp.fc", mask, "csr")
+    x, y = batch(cfg)
+    module = stage(layers, torch.bfloat16)
+    loss, grads = step(module, x, y)
+    assert math.isfinite(loss) and block.mlp.fc.weight.grad.dtype == torch.float32
+    ref = loss_fn(stage(layers)(x), y).item()
+    assert abs(loss - ref) < 0.02 * ref
+    times = time_kernels(block.mlp.fc, mask, rows=8, dtype=torch.bfloat16)
+    assert set(times) == {"dense", "csr"} and all(t > 0 for t in times.values())
+    h, m = layers[0](x)
+    ref_state = {k: v.clone() for k, v in layers[2].state_dict().items()}
+    assert plasticity(layers[2], ref_state, h.to(torch.bfloat16), m) == 0.0

@@ -56,6 +56,10 @@ class Host(Protocol):
     def device(self) -> torch.device: ...
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The dtype layers compute in (`train.dtype`; parameters are float32 either way)."""
+
+    @property
     def microbatch(self) -> int:
         """Sequences per microbatch."""
 

@@ -65,7 +65,10 @@ def check_options(f: FreezeConfig, n_blocks: int) -> None:
 
 @torch.no_grad()
 def plasticity(block: nn.Module, ref: dict[str, torch.Tensor], x: torch.Tensor, mask: torch.Tensor) -> float:
-    """||f_now(x) - f_ref(x)|| / ||f_now(x) - x||: how much the block's function moved since `ref`."""
+    """||f_now(x) - f_ref(x)|| / ||f_now(x) - x||: how much the block's function moved since `ref`.
+    Computed in float32 whatever the training's dtype (the captured input may be bf16): a
+    measurement, outside autocast, on the fp32 parameters."""
+    x = x.float()
     with stats.paused():  # probe forwards are not training work: leave the layers' statistics alone
         now = block(x, mask)[0]
         old = functional_call(block, ref, (x, mask), strict=True)[0]

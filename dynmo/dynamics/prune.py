@@ -235,7 +235,7 @@ class Prune(Case):
         if self.opts.kernel == "auto":
             for i, ms in per_block.items():
                 for name, mask in ms.items():
-                    r = time_kernels(blocks[i].get_submodule(name), mask, self.rows)
+                    r = time_kernels(blocks[i].get_submodule(name), mask, self.rows, dtype=self.host.dtype)
                     t[i, 0] += r["dense"]
                     t[i, 1] += r["csr"]
             if self.host.replica_group is not None:  # replicas pick alike

@@ -98,8 +98,15 @@ class _CSRLinear(torch.autograd.Function):
 
 
 def csr_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pattern: Pattern) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` over the entries of `pattern` only, with work ~ nnz."""
-    return _CSRLinear.apply(x, weight, bias, pattern)
+    """`F.linear(x, weight, bias)` over the entries of `pattern` only, with work ~ nnz.
+
+    Sparse kernels compute in the weight's dtype (float32): PyTorch's CPU CSR products have no
+    bf16 kernel, so under bf16 autocast the input is cast up, the product runs outside
+    autocast, and the output is cast back to the input's dtype."""
+    if x.dtype == weight.dtype:
+        return _CSRLinear.apply(x, weight, bias, pattern)
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        return _CSRLinear.apply(x.to(weight.dtype), weight, bias, pattern).to(x.dtype)
 
 
 class PrunedLinear(nn.Module):
@@ -128,7 +135,7 @@ class PrunedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "csr":
-            return _CSRLinear.apply(x, self.weight, self.bias, self.pattern)
+            return csr_linear(x, self.weight, self.bias, self.pattern)
         return F.linear(x, self.weight * self.mask, self.bias)
 
     # the names the mask, kernel and pattern had as attributes of a patched nn.Linear
@@ -169,11 +176,14 @@ def set_mask(parent: nn.Module, name: str, mask: torch.Tensor, kernel: str) -> P
     return new
 
 
-def time_kernels(lin: nn.Module, mask: torch.Tensor, rows: int, reps: int = 3) -> dict[str, float]:
+def time_kernels(lin: nn.Module, mask: torch.Tensor, rows: int, reps: int = 3,
+                 dtype: torch.dtype = torch.float32) -> dict[str, float]:
     """Seconds of one forward + backward of `lin` (a Linear or PrunedLinear) under `mask` on
-    `rows` random rows, per kernel (min of reps). Works on copies: `lin` is not touched."""
+    `rows` random rows, per kernel (min of reps), computing as training does (`dtype`: bf16 =
+    under autocast). Works on copies: `lin` is not touched."""
     out = {}
-    x = torch.randn(rows, lin.in_features, device=lin.weight.device)
+    dev = lin.weight.device
+    x = torch.randn(rows, lin.in_features, device=dev).to(dtype)
     w = lin.weight.detach().clone().requires_grad_(True)
     b = None if lin.bias is None else lin.bias.detach().clone().requires_grad_(True)
     m = mask.to(w.dtype)
@@ -183,8 +193,9 @@ def time_kernels(lin: nn.Module, mask: torch.Tensor, rows: int, reps: int = 3) -
         for _ in range(reps):
             xi = x.clone().requires_grad_(True)
             t = time.perf_counter()
-            y = F.linear(xi, w * m, b) if kernel == "dense" else _CSRLinear.apply(xi, w, b, pat)
-            y.sum().backward()
+            with torch.autocast(device_type=dev.type, dtype=dtype, enabled=dtype != torch.float32):
+                y = F.linear(xi, w * m, b) if kernel == "dense" else csr_linear(xi, w, b, pat)
+            y.float().sum().backward()
             best = min(best, time.perf_counter() - t)
         out[kernel] = best
     return out

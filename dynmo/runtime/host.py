@@ -21,6 +21,10 @@ class PipelineHost:
         return self.pipe.ctx.device
 
     @property
+    def dtype(self) -> torch.dtype:
+        return self.pipe.dtype
+
+    @property
     def microbatch(self) -> int:
         return self.pipe.microbatch
 
