@@ -126,6 +126,10 @@ def validate(cfg: Config, world: int) -> None:
     bad = [b for b in cfg.skew.blocks if not 0 <= b < m.n_layers]
     if bad:
         raise ConfigError(f"skew.blocks {bad} outside 0..{m.n_layers - 1} (block numbers are 0-based)")
+    if cfg.noise.enabled:
+        from dynmo.dynamics.noise import check_options as check_noise
+
+        check_noise(cfg.noise, pp)
     # data
     for path in cfg.data.paths:
         if not Path(path).exists():

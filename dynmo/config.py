@@ -161,6 +161,27 @@ class SkewConfig:
 
 
 @dataclass
+class NoiseConfig:
+    """Seeded timing noise for tests and benchmarks of the controller (dynmo/dynamics/noise.py).
+
+    What a loaded machine does to a run, reproducibly: layers take longer by real CPU work
+    after their forward (the model's math is unchanged). The slowdowns multiply; every one
+    is drawn from `seed`, the step, the microbatch and the layer or the process, so the same
+    config draws the same slowdowns on any machine and under any layout.
+    """
+
+    enabled: bool = False
+    seed: int = 0
+    jitter: float = 0.0  # per layer per microbatch: extra work U(0, 2*jitter) x the layer's time (mean +jitter)
+    straggler_prob: float = 0.0  # chance that a microbatch on a process is a straggler ...
+    straggler_factor: float = 3.0  # ... whose layers there take this many times their time
+    slow_rank: int = -1  # pipeline rank of a slow phase (a neighbour process); -1 = none
+    slow_factor: float = 1.5  # in a slow phase every layer on slow_rank takes this many times its time
+    slow_every: int = 0  # a slow phase starts at step 0 and every slow_every steps ...
+    slow_steps: int = 0  # ... and lasts slow_steps steps
+
+
+@dataclass
 class PruneConfig:
     """Gradual global magnitude pruning (dynmo/dynamics/prune.py), cubic schedule of Zhu & Gupta."""
 
@@ -221,6 +242,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     balance: BalanceConfig = field(default_factory=BalanceConfig)
     skew: SkewConfig = field(default_factory=SkewConfig)
+    noise: NoiseConfig = field(default_factory=NoiseConfig)
     prune: PruneConfig = field(default_factory=PruneConfig)
     freeze: FreezeConfig = field(default_factory=FreezeConfig)
     early_exit: EarlyExitConfig = field(default_factory=EarlyExitConfig)

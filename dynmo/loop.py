@@ -99,6 +99,8 @@ class DynmoLoop:
     def applied(self, microbatches: int) -> None:
         """A decision was applied (the run now has `microbatches` per replica)."""
         self.controller.history.clear()  # costs measured under the old layout include its stage effects
+        self.controller.step_times.clear()  # and so do step times
+        self.controller.proposal = None
         self.controller.microbatches = microbatches
         self.profile_s = 0.0
 
@@ -111,6 +113,9 @@ class DynmoLoop:
             "current_bottleneck_s": decision.current_bottleneck,
             "predicted_bottleneck_s": decision.predicted_bottleneck,
             "predicted_gain_s": decision.predicted_gain_s,
+            "current_step_s": decision.current_step_s,
+            "predicted_step_s": decision.predicted_step_s,
+            "decision": decision.reason,
             "predicted_migration_s": decision.predicted_cost_s,
             "decide_s": decide_s,
             "profile_s": self.profile_s,
@@ -142,6 +147,6 @@ class DynmoLoop:
             ctl.memory = [s + held * a for s, a in zip(rec.layer_state_bytes, rec.layer_act_bytes)]
         if rec.dynamism:
             ctl.dynamism()
-        ctl.observe(costs)
+        ctl.observe(costs, rec.step_s or None, changed=bool(rec.dynamism), layout=layout)
         for e in rec.migrations:
             ctl.observe_migration(e["bytes"], e["seconds"])

@@ -42,11 +42,13 @@ def test_params_cost_follows_pruning_density():
 
 def test_applied_drops_the_forecast_and_resets_profile_time():
     lp = loop(when="auto", window=2)
-    for k in range(2):
+    for k in range(4):  # a window of 2, then 2 fresh steps confirm the proposal
+        if k == 2:
+            assert lp.decide(k, Layout((0, 2, 5)), 100) is None
         lp.observe(StepRecord(step=k, layout=[0, 2, 5], layer_cost_s=[5.0, 1.0, 1.0, 1.0, 1.0], profile_s=0.1))
-    d = lp.decide(2, Layout((0, 2, 5)), 100)
+    d = lp.decide(4, Layout((0, 2, 5)), 100)
     assert d is not None and d.layout.boundaries == (0, 1, 5)
-    assert lp.event(d, 0.001)["profile_s"] == pytest.approx(0.2)
+    assert lp.event(d, 0.001)["profile_s"] == pytest.approx(0.4)
     lp.applied(4)
     assert not lp.controller.history and lp.profile_s == 0.0 and lp.decide(3, d.layout, 100) is None
 
@@ -71,7 +73,7 @@ def test_replay_makes_the_trainers_decision_from_the_traced_costs(tmp_path):
     migration cost model, which the run refits from measured seconds and the replay from
     simulated ones.) Links are left out of both: the replay has no measured link times."""
     trace_path = tmp_path / "run.trace.jsonl"
-    run_train(tmp_path / "run", "--steps", "12", "--skew.blocks", "0", "--skew.factor", "8", "--skew.start_step", "3",
+    run_train(tmp_path / "run", "--steps", "16", "--skew.blocks", "0", "--skew.factor", "8", "--skew.start_step", "3",
               "--parallel.layout", "0,3,6", "--balance.when", "auto", "--balance.links", "free",
               "--trace", str(trace_path))
     recs = metrics(tmp_path / "run")

@@ -50,18 +50,23 @@ def test_checkpoint_after_a_repack_resumes_on_fewer_ranks(tmp_path, reference):
     assert [r["loss"] for r in resumed] == pytest.approx(ref_losses[4:], rel=1e-6)
 
 
-def test_controller_repacks_two_ranks_to_one(tmp_path, reference):
-    # A tolerance of 10 accepts any bottleneck up to 11x the 2-rank one, so the first decision
-    # (every 2 steps) re-packs: the controller path, not a forced layout.
-    run_train(tmp_path, "--steps", str(STEPS), "--balance.when", "every", "--balance.every", "2",
-              "--balance.repack", "true", "--balance.repack_tolerance", "10")
-    recs = metrics(tmp_path)
-    assert [r["loss"] for r in recs] == reference[0]
-    assert [r["workers"] for r in recs] == [2, 2] + [1] * (STEPS - 2)
-    ev = recs[2]["events"][0]
+def test_controller_repacks_two_ranks_to_one_once_the_model_shrank(tmp_path):
+    # Structured pruning at step 3 removes 90% of every MLP: the model shrinks, and a tolerance
+    # of 10 accepts any step time up to 11x the 2-rank one, so the decision at step 6 (every 3)
+    # re-packs: the controller's path. It must train exactly as a forced re-pack to its layout.
+    prune = ["--prune.enabled", "true", "--prune.structured", "true", "--prune.start_step", "3",
+             "--prune.every", "1", "--prune.times", "1", "--prune.final_sparsity", "0.9"]
+    run_train(tmp_path / "auto", "--steps", str(STEPS), "--balance.when", "every", "--balance.every", "3",
+              "--balance.repack", "true", "--balance.repack_tolerance", "10", *prune)
+    recs = metrics(tmp_path / "auto")
+    assert [r["workers"] for r in recs] == [2] * 6 + [1] * (STEPS - 6)
+    ev = next(e for e in recs[6]["events"] if e["type"] == "migration")
     assert ev["repacked"] and ev["new"] == [0, 6] and ev["released_ranks"] == [1]
-    assert ev["reason"] == "balance.when=every" and ev["predicted_bottleneck_s"] > 0
-    assert all(len(r["stage_compute_s"]) == 1 for r in recs[2:])
+    assert ev["reason"] == "balance.when=every" and ev["decision"] == "repack"
+    assert ev["predicted_step_s"] > 0 and ev["current_step_s"] > 0
+    assert all(len(r["stage_compute_s"]) == 1 for r in recs[6:])
+    run_train(tmp_path / "forced", "--steps", str(STEPS), "--parallel.relayout", "6:0,6", *prune)
+    assert [r["loss"] for r in recs] == [r["loss"] for r in metrics(tmp_path / "forced")]
 
 
 def test_repack_retunes_microbatches(tmp_path, reference):

@@ -6,7 +6,8 @@ from dynmo.dynamics.blockstats import BlockStats
 from dynmo.dynamics.case import Case
 from dynmo.dynamics.earlyexit import EarlyExit
 from dynmo.dynamics.freeze import Freeze
+from dynmo.dynamics.noise import Noise
 from dynmo.dynamics.prune import Prune
 from dynmo.dynamics.skew import Skew
 
-CASES: tuple[type[Case], ...] = (BlockStats, Skew, EarlyExit, Freeze, Prune)
+CASES: tuple[type[Case], ...] = (BlockStats, Skew, Noise, EarlyExit, Freeze, Prune)

@@ -25,6 +25,11 @@ def paused() -> Iterator[None]:
         _paused -= 1
 
 
+def is_paused() -> bool:
+    """Whether forwards now are outside training work (`paused`), e.g. a recomputation."""
+    return _paused > 0
+
+
 class StepStats:
     """Sums of per-forward quantities since the last reset. Values are python numbers/lists."""
 

@@ -369,7 +369,7 @@ def _run_dynamic(trace: Trace, runner: _Runner, stages: int, balancer: str, do_r
         runner.step(k, layout, res, m)
         loop.observe(StepRecord(step=k, layout=list(layout.boundaries), microbatches=m,
                                 layer_cost_s=runner.observed[k].tolist(), layer_state_bytes=list(lbytes),
-                                events=events))
+                                step_s=res.iteration_s[-1], events=events))
 
 
 def summary_table(results: Sequence[PolicyResult]) -> str:

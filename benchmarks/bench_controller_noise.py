@@ -1,0 +1,99 @@
+"""The controller under seeded noise: false migrations against reaction time (pure, no torch).
+
+    python benchmarks/bench_controller_noise.py [--seeds 20] [--steps 200]
+
+A 2-stage pipeline of the default model's shape as measured (configs/default.toml on 2 ranks:
+embedding 0.03, 8 blocks of 1.0, head 0.65 per microbatch, relative to a block) on its
+optimal layout E t t t t | t t t t L. Each step's per-layer cost is what the
+profiler reports: the median over 4 microbatches of a cost drawn like `[noise]` draws it --
+jitter U(0, 2 x 0.3) per layer per microbatch, a 3x straggler microbatch on a rank with
+probability 0.05, a 1.5x slow phase of rank 1 for 3 steps every 50 -- and the measured step
+time is the step-time model on the step's mean microbatch costs. Two runs per seed:
+  balanced  200 steps of noise only: every migration is a false one;
+  change    blocks 0-2 cost 2.5x from step 20 (configs/skewed.toml's skew as measured; the
+            optimal layout then saves 12% of the bottleneck): the step of the first migration.
+Rules compared (`balance.when = auto`, min_gain 0.05, horizon 50), both with the controller's
+other defences (a proposed move confirmed on 2 fresh steps, no return within the horizon
+without twice the gain, each migration judged by its measured step time):
+  median    the window's median per-step gain clears min_gain (the previous evidence test);
+  80%       the gain clears min_gain on 80% of the window's steps, all of a window of up to 4
+            (the current one);
+with windows of 3 (the default) and 5 steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+
+from dynmo.balance import Problem, balance
+from dynmo.config import BalanceConfig
+from dynmo.controller import Controller, step_time
+from dynmo.layout import Layout
+
+BASE = [0.03] + [1.0] * 8 + [0.65]
+MICROBATCHES = 4
+
+
+def draw(rng: random.Random, base: list[float], layout: Layout, step: int) -> tuple[list[float], float]:
+    """One step: the per-layer medians the profiler reports, and the measured step time."""
+    owner = layout.owner()
+    slow = 1.5 if step % 50 < 3 else 1.0
+    per_mb = []
+    for _ in range(MICROBATCHES):
+        strag = [3.0 if rng.random() < 0.05 else 1.0 for _ in range(layout.num_stages)]
+        per_mb.append([c * (1 + rng.uniform(0, 0.6)) * strag[owner[i]] * (slow if owner[i] == 1 else 1.0)
+                       for i, c in enumerate(base)])
+    costs = [statistics.median(col) for col in zip(*per_mb)]
+    mean = [statistics.fmean(col) for col in zip(*per_mb)]
+    return costs, step_time(layout.stage_loads(mean), MICROBATCHES)
+
+
+def run(rule: str, window: int, seed: int, steps: int, change_at: int | None, min_gain: float = 0.05) -> list[int]:
+    """Steps at which the controller migrated."""
+    rng = random.Random(seed)
+    c = Controller(BalanceConfig(when="auto", window=window, min_gain=min_gain, horizon=50), MICROBATCHES, fixed_s=0.0)
+    if rule == "median":
+        c.consistent = lambda cur, new, margin: c.per_step_gain(cur, new) >= margin
+    layout = Layout(tuple(balance(Problem(costs=BASE, stages=2), "optimal").boundaries))
+    moved = []
+    for step in range(steps):
+        d = c.decide(step, layout, [0] * len(BASE), steps - step)
+        if d is not None and d.layout != layout:
+            moved.append(step)
+            layout = d.layout
+            c.history.clear()
+            c.step_times.clear()
+        base = list(BASE)
+        if change_at is not None and step >= change_at:
+            for i in (1, 2, 3):
+                base[i] *= 2.5
+        costs, t = draw(rng, base, layout, step)
+        c.observe(costs, t, layout=layout)
+    return moved
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=200)
+    args = ap.parse_args(argv)
+    print(f"python benchmarks/bench_controller_noise.py --seeds {args.seeds} --steps {args.steps}\n")
+    print("| rule | window | false migrations / 200 steps (mean, max) | runs with any | first migration after a change at step 20 (median, max) | runs that never reacted |")
+    print("|---|---:|---|---:|---|---:|")
+    for rule in ("median", "80%"):
+        for window in (3, 5):
+            false = [len(run(rule, window, s, args.steps, None)) for s in range(args.seeds)]
+            react = [run(rule, window, 1000 + s, 60, 20) for s in range(args.seeds)]
+            first = [next((m for m in r if m >= 20), None) for r in react]
+            seen = [f - 20 for f in first if f is not None]
+            print(f"| {rule} | {window} | {statistics.fmean(false):.2f}, {max(false)} | {sum(f > 0 for f in false)}/{args.seeds} | "
+                  f"{statistics.median(seen) if seen else float('nan'):.0f}, {max(seen) if seen else float('nan')} steps | "
+                  f"{sum(f is None for f in first)}/{args.seeds} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
