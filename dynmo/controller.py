@@ -12,7 +12,8 @@ Triggers (`when`):
   every    rebalance every `every` steps (the paper's fixed frequency);
   dynamism rebalance once after each step that changed the model (a pruning step, a block
            frozen, the skew switched on: events of type "dynamism"), from the cost measured
-           on the step after the change (the paper's Algorithm 1: profile, then rebalance);
+           over the `window` steps after the change (the paper's Algorithm 1: profile, then
+           rebalance; one step's profile on a busy machine can be off by half);
   auto     rebalance when the layout is predicted to pay off, and the evidence says the gain
            is not noise (below).
 Whatever the trigger, a rebalance must cut the predicted step time by the margin (`min_gain`)
@@ -217,7 +218,9 @@ class Controller:
         if c.when == "every" and (step == 0 or step % c.every):
             return None
         if c.when == "dynamism":
-            if not self.pending or not self.history:
+            # profile the changed model for a window of steps (one step on a busy machine can be
+            # off by half), then rebalance once
+            if not self.pending or len(self.history) < c.window:
                 return None
             self.pending = False
         costs = self.forecast()
@@ -375,7 +378,7 @@ class Controller:
                 break
         else:
             return None
-        if c.when == "auto" and not self._fits_on_most_steps(current, new, k):
+        if c.when != "every" and not self._fits_on_most_steps(current, new, k):
             return None
         now = max(problem.loads_of_assignment(current.owner()))
         t_now = step_time(problem.loads_of_assignment(current.owner()), m)

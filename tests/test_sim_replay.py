@@ -111,12 +111,12 @@ def test_migration_cost_is_charged_as_the_controller_models_it():
     opts = ReplayOptions(balance=replay_balance(when="dynamism"), migration_bandwidth=1e8, migration_fixed_s=0.05,
                          charge_decide=False)
     (r,) = replay(t, 2, 1, ["optimal"], opts)
-    assert r.migrations == 1  # decided before step 3 from step 2's costs
-    assert r.layouts[2] == [0, 5, 10] and r.layouts[3] != [0, 5, 10]
-    moved = Layout(tuple(r.layouts[2])).moves_to(Layout(tuple(r.layouts[3])))
+    assert r.migrations == 1  # decided before step 5 from the window of steps 2-4
+    assert r.layouts[4] == [0, 5, 10] and r.layouts[5] != [0, 5, 10]
+    moved = Layout(tuple(r.layouts[4])).moves_to(Layout(tuple(r.layouts[5])))
     want = 0.05 + sum(t.header.layer_bytes[m.layer] for m in moved) / 1e8
     assert r.layers_moved == len(moved) and r.migration_s == pytest.approx(want)
-    assert r.overhead_s[3] == pytest.approx(want) and r.total_s == pytest.approx(sum(r.iteration_s) + want)
+    assert r.overhead_s[5] == pytest.approx(want) and r.total_s == pytest.approx(sum(r.iteration_s) + want)
 
 
 def test_repack_releases_workers_when_the_work_shrinks():
