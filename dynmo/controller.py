@@ -88,6 +88,7 @@ class Decision:
     predicted_step_s: float = 0.0  # step time of the new layout (`step_time`), under the forecast
     current_step_s: float = 0.0  # the same, current layout
     reason: str = ""  # "rebalance", "repack" or "revert" (a migration that lost, undone)
+    best_step_s: float = 0.0  # a re-pack: the step time of the best layout on all of today's workers
 
 
 def step_time(loads: list[float], microbatches: int) -> float:
@@ -385,7 +386,8 @@ class Controller:
         cost = self.migration_cost(layer_bytes, current, new)
         gain = (t_now - t_k) * max(0, min(c.horizon, steps_left))
         return self._decided(step, current, Decision(new, result.bottleneck, now, gain, cost, released=p - k,
-                                                  predicted_step_s=t_k, current_step_s=t_now, reason="repack"))
+                                                  predicted_step_s=t_k, current_step_s=t_now, reason="repack",
+                                                  best_step_s=t_best))
 
     def _fits_on_most_steps(self, current: Layout, new: Layout, k: int) -> bool:
         """The re-pack keeps its tolerance on nearly every observed step (as `consistent`)."""

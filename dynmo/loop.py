@@ -121,7 +121,8 @@ class DynmoLoop:
             "profile_s": self.profile_s,
             "speeds": ctl.speeds,
             "transfer_s": ctl.transfer,
-        }
+        } | ({"best_step_s": decision.best_step_s, "repack_tolerance": self.cfg.repack_tolerance}
+             if decision.reason == "repack" else {})
 
     def observe(self, rec: StepRecord) -> None:
         """Take in one step: its costs, memory and events (dynamism, migrations)."""

@@ -177,7 +177,7 @@ def test_repack_decision_and_microbatch_retuning():
     d = c.decide(2, four, [0] * 5, 100)
     # 4 stages [4, 1, 1, 2]: a step of 3 x 4 + 8 = 20 s; 2 stages [4, 4]: 3 x 4 + 8 = 20 s; 1 stage: 32 s
     assert d.released == 2 and d.layout.boundaries == (0, 1, 5) and d.predicted_bottleneck == 4.0
-    assert d.predicted_step_s == 20.0 and d.reason == "repack"
+    assert d.predicted_step_s == 20.0 and d.best_step_s == 20.0 and d.reason == "repack"
     assert retune_microbatches(8, 4, 2, 1) == 2  # keeps the in-flight activations of 2 stages
     assert retune_microbatches(16, 8, 4, 2) == 4  # bubble 3/11 -> 1/5, in flight 4/8 -> 2/4
     assert retune_microbatches(6, 3, 3, 3) == 3

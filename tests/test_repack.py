@@ -64,6 +64,7 @@ def test_controller_repacks_two_ranks_to_one_once_the_model_shrank(tmp_path):
     assert ev["repacked"] and ev["new"] == [0, 6] and ev["released_ranks"] == [1]
     assert ev["reason"] == "balance.when=every" and ev["decision"] == "repack"
     assert ev["predicted_step_s"] > 0 and ev["current_step_s"] > 0
+    assert ev["predicted_step_s"] <= ev["best_step_s"] * (1 + ev["repack_tolerance"])
     assert all(len(r["stage_compute_s"]) == 1 for r in recs[6:])
     run_train(tmp_path / "forced", "--steps", str(STEPS), "--parallel.relayout", "6:0,6", *prune)
     assert [r["loss"] for r in recs] == [r["loss"] for r in metrics(tmp_path / "forced")]
