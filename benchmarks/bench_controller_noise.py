@@ -1,6 +1,6 @@
 """The controller under seeded noise: false migrations against reaction time (pure, no torch).
 
-    python benchmarks/bench_controller_noise.py [--seeds 20] [--steps 200]
+    python benchmarks/bench_controller_noise.py [--seeds 20] [--steps 200] [--confirm 2]
 
 A 2-stage pipeline of the default model's shape as measured (configs/default.toml on 2 ranks:
 embedding 0.03, 8 blocks of 1.0, head 0.65 per microbatch, relative to a block) on its
@@ -28,6 +28,7 @@ import random
 import statistics
 import sys
 
+import dynmo.controller
 from dynmo.balance import Problem, balance
 from dynmo.config import BalanceConfig
 from dynmo.controller import Controller, step_time
@@ -79,8 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=20)
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--confirm", type=int, default=dynmo.controller.CONFIRM, help="fresh steps that confirm a move")
     args = ap.parse_args(argv)
-    print(f"python benchmarks/bench_controller_noise.py --seeds {args.seeds} --steps {args.steps}\n")
+    dynmo.controller.CONFIRM = args.confirm
+    print(f"python benchmarks/bench_controller_noise.py --seeds {args.seeds} --steps {args.steps} --confirm {args.confirm}\n")
     print("| rule | window | false migrations / 200 steps (mean, max) | runs with any | first migration after a change at step 20 (median, max) | runs that never reacted |")
     print("|---|---:|---|---:|---|---:|")
     for rule in ("median", "80%"):

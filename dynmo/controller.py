@@ -75,6 +75,9 @@ from dynmo.layout import Layout
 MIGRATION_FIXED_S = 0.01  # ~10 ms seen here
 MIGRATION_BANDWIDTH = 1e9  # bytes/s
 CONFIRM = 2  # `auto`: fresh steps that must confirm a proposed move (see Controller._confirmed)
+# windows of measured step times before and after a migration that judge it: a step's time
+# carries its straggler microbatches, which the per-layer medians do not
+JUDGE = 2
 
 
 @dataclass
@@ -150,7 +153,7 @@ class Controller:
         if self.capacity is None and self.cfg.memory_gb > 0:
             self.capacity = self.cfg.memory_gb * 2**30
         self.history = deque(maxlen=self.cfg.window)
-        self.step_times = deque(maxlen=self.cfg.window)
+        self.step_times = deque(maxlen=JUDGE * self.cfg.window)
         if self.margin < 0:
             self.margin = self.cfg.min_gain
 
@@ -321,7 +324,7 @@ class Controller:
         return median(gains) if gains else 0.0
 
     def _judge_last_migration(self, current: Layout, layer_bytes: list[int], steps_left: int) -> Decision | None:
-        """Once a window of steps ran on the last migration's layout, judge it by measurement.
+        """Once JUDGE windows of steps ran on the last migration's layout, judge it by measurement.
 
         Steps before and after a migration differ in more than the layout (the run speeds up
         as it warms, per-step dynamism, the machine's load), so their step times are not
@@ -333,7 +336,7 @@ class Controller:
         undone."""
         chk = self.check
         # the first step on a new layout pays one-off costs (rebuilt stages warm up): leave it out
-        if chk is None or chk["new"] != current or len(chk["after"]) < self.cfg.window + 1 or not chk["before"]:
+        if chk is None or chk["new"] != current or len(chk["after"]) < JUDGE * self.cfg.window + 1 or not chk["before"]:
             return None
         self.check = None
         old, new, after = chk["old"], chk["new"], chk["after"][1:]
