@@ -35,11 +35,25 @@ def migrations(recs: list[dict]) -> list[int]:
     return [r["step"] for r in recs if any(e["type"] == "migration" for e in r["events"])]
 
 
+def part1(auto: list[dict], forced: list[dict], best) -> None:
+    moved = migrations(auto)
+    first = next((s for s in moved if s >= 20), None)
+    since = (first or 20) + 2
+    tps_auto = statistics.median(r["tokens_per_s"] for r in auto[since:])
+    tps_forced = statistics.median(r["tokens_per_s"] for r in forced[since:])
+    print("| run | migrations (steps) | first after the skew at 20 | final layout | tokens/s from 2 steps after it | vs forced optimal |")
+    print("|---|---|---:|---|---:|---:|")
+    print(f"| skew at 20 + noise, auto | {moved} | {first} | {auto[-1]['layout']} | {tps_auto:.0f} | "
+          f"{tps_auto / tps_forced:.3f} |")
+    print(f"| the same, forced onto {list(best)} | - | - | {forced[-1]['layout']} | {tps_forced:.0f} | 1.000 |\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=10)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--balanced-steps", type=int, default=0)
+    ap.add_argument("--no-skew-run", action="store_true", help="skip part 1 (skew at step 20)")
     args = ap.parse_args(argv)
     noisy = load_config("configs/noisy.toml").noise
     assert noisy.enabled and noisy.jitter == 0.3 and noisy.slow_steps == 3, "NOISE above mirrors configs/noisy.toml"
@@ -59,19 +73,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"optimal layout for the static run's measured costs: {best}\n")
 
         skew = ["--skew.blocks", "0;1;2", "--skew.factor", "4", "--skew.start_step", "20"]
-        auto = run("skew-auto", "configs/noisy.toml", "--steps", "60", *skew)
-        forced = run("skew-forced", "configs/noisy.toml", "--steps", "60", *skew, "--balance.when", "never",
+        auto = [] if args.no_skew_run else run("skew-auto", "configs/noisy.toml", "--steps", "60", *skew)
+        forced = [] if args.no_skew_run else run("skew-forced", "configs/noisy.toml", "--steps", "60", *skew, "--balance.when", "never",
                      "--parallel.layout", ",".join(map(str, best)))
-        moved = migrations(auto)
-        first = next((s for s in moved if s >= 20), None)
-        since = (first or 20) + 2
-        tps_auto = statistics.median(r["tokens_per_s"] for r in auto[since:])
-        tps_forced = statistics.median(r["tokens_per_s"] for r in forced[since:])
-        print("| run | migrations (steps) | first after the skew at 20 | final layout | tokens/s from 2 steps after it | vs forced optimal |")
-        print("|---|---|---:|---|---:|---:|")
-        print(f"| skew at 20 + noise, auto | {moved} | {first} | {auto[-1]['layout']} | {tps_auto:.0f} | "
-              f"{tps_auto / tps_forced:.3f} |")
-        print(f"| the same, forced onto {best} | - | - | {forced[-1]['layout']} | {tps_forced:.0f} | 1.000 |\n")
+        if not args.no_skew_run:
+            part1(auto, forced, best)
 
         print(f"| seed | migrations (steps) | final layout | optimal? |")
         print("|---:|---|---|---|")
