@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     assert noisy.enabled and noisy.jitter == 0.3 and noisy.slow_steps == 3, "NOISE above mirrors configs/noisy.toml"
     skew_start = load_config("configs/skewed.toml").skew.start_step
     print(f"python benchmarks/bench_noisy_runs.py --seeds {args.seeds} --steps {args.steps} "
-          f"--balanced-steps {args.balanced_steps}\n")
+          f"--balanced-steps {args.balanced_steps}" + (" --no-skew-run" if args.no_skew_run else "") + "\n")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
 

@@ -175,6 +175,7 @@ class Controller:
         if changed:
             self.check = None  # the step time changed for another reason: nothing to judge
             self.proposal = None
+            self.lost.clear()  # a layout that lost on the old model may win on the new one
             self.step_times.clear()
         if step_s is not None and step_s > 0 and layout is not None:
             model = step_time(self.problem(layer_costs, layout.num_stages, layout).loads_of_assignment(layout.owner()),
