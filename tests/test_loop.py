@@ -73,7 +73,7 @@ def test_replay_makes_the_trainers_decision_from_the_traced_costs(tmp_path):
     migration cost model, which the run refits from measured seconds and the replay from
     simulated ones.) Links are left out of both: the replay has no measured link times."""
     trace_path = tmp_path / "run.trace.jsonl"
-    run_train(tmp_path / "run", "--steps", "16", "--skew.blocks", "0", "--skew.factor", "8", "--skew.start_step", "3",
+    run_train(tmp_path / "run", "--steps", "16", "--skew.blocks", "0", "--skew.factor", "16", "--skew.start_step", "3",
               "--parallel.layout", "0,3,6", "--balance.when", "auto", "--balance.links", "free",
               "--trace", str(trace_path))
     recs = metrics(tmp_path / "run")
