@@ -178,8 +178,7 @@ class Controller:
             self.lost.clear()  # a layout that lost on the old model may win on the new one
             self.step_times.clear()
         if step_s is not None and step_s > 0 and layout is not None:
-            model = step_time(self.problem(layer_costs, layout.num_stages, layout).loads_of_assignment(layout.owner()),
-                              self.microbatches)
+            model = self.step_s(self.problem(layer_costs, layout.num_stages, layout), layout)
             if model > 0:
                 self.step_times.append(step_s / model)
                 if self.check is not None:
@@ -200,6 +199,10 @@ class Controller:
     def migration_cost(self, layer_bytes: list[int], current: Layout, new: Layout) -> float:
         moved = current.moves_to(new)
         return self.fixed_s + sum(layer_bytes[m.layer] for m in moved) / self.bandwidth if moved else 0.0
+
+    def step_s(self, problem: Problem, layout: Layout) -> float:
+        """Predicted step time of `layout` under `problem`'s costs (`step_time`)."""
+        return step_time(problem.loads_of_assignment(layout.owner()), self.microbatches)
 
     def problem(self, costs: list[float], stages: int, current: Layout | None = None) -> Problem:
         """The balancing problem for the first `stages` pipeline positions."""
@@ -244,8 +247,8 @@ class Controller:
         if new == current or new.boundaries in self.lost:
             return None
         now = max(problem.loads_of_assignment(current.owner()))
-        t_now = step_time(problem.loads_of_assignment(current.owner()), self.microbatches)
-        t_new = step_time(problem.loads_of_assignment(new.owner()), self.microbatches)
+        t_now = self.step_s(problem, current)
+        t_new = self.step_s(problem, new)
         gain = (t_now - t_new) * max(0, min(c.horizon, steps_left))
         cost = self.migration_cost(layer_bytes, current, new)
         # every trigger: the step must fall by the margin and repay the migration over the horizon
@@ -262,7 +265,7 @@ class Controller:
             new = self._confirmed(current, new, margin)
             if new is None:
                 return None
-            t_new = step_time(problem.loads_of_assignment(new.owner()), self.microbatches)
+            t_new = self.step_s(problem, new)
             gain = (t_now - t_new) * max(0, min(c.horizon, steps_left))
             cost = self.migration_cost(layer_bytes, current, new)
             result = replace(result, bottleneck=max(problem.loads_of_assignment(new.owner())))
@@ -315,8 +318,8 @@ class Controller:
         gains = []
         for costs in self.history:
             problem = self.problem(costs, current.num_stages, current)
-            old_t = step_time(problem.loads_of_assignment(current.owner()), self.microbatches)
-            new_t = step_time(problem.loads_of_assignment(new.owner()), self.microbatches)
+            old_t = self.step_s(problem, current)
+            new_t = self.step_s(problem, new)
             gains.append((old_t - new_t) / old_t if old_t > 0 else 0.0)
         return gains
 
@@ -346,10 +349,8 @@ class Controller:
         # of each window show what its layout can do
         off_old = min(chk["before"])
         off_new = min(r for r, _ in after)
-        t_old = median(off_old * step_time(self.problem(c, old.num_stages, old).loads_of_assignment(old.owner()),
-                                           self.microbatches) for _, c in after)
-        t_new = median(off_new * step_time(self.problem(c, new.num_stages, new).loads_of_assignment(new.owner()),
-                                           self.microbatches) for _, c in after)
+        t_old = median(off_old * self.step_s(self.problem(c, old.num_stages, old), old) for _, c in after)
+        t_new = median(off_new * self.step_s(self.problem(c, new.num_stages, new), new) for _, c in after)
         # lost: slower than the old layout by more than the margin (within it, step-time noise
         # could not tell), or than a re-pack's tolerance
         allowed = t_old * (1 + (self.cfg.repack_tolerance if chk["repack"] else 0.0) + self.cfg.min_gain)
@@ -368,12 +369,12 @@ class Controller:
         `repack_tolerance` of the best all-worker layout's, once the model has shrunk (its
         forecast total cost fell by `min_gain` from the largest seen): released workers never
         come back, so a model that may still grow keeps them."""
-        c, p, m = self.cfg, current.num_stages, self.microbatches
+        c, p = self.cfg, current.num_stages
         if sum(costs) > (1 - c.min_gain) * self.peak_total:
             return None
         problem = self.problem(costs, p, current)
         best = balance(problem, "optimal")
-        t_best = step_time(problem.loads_of_assignment(Layout(tuple(best.boundaries)).owner()), m)
+        t_best = self.step_s(problem, Layout(tuple(best.boundaries)))
         limit = t_best * (1 + c.repack_tolerance) * (1 + 1e-9)
         for k in range(1, p):
             sub = self.problem(costs, k)
@@ -381,7 +382,7 @@ class Controller:
             if result.boundaries is None:
                 continue
             new = Layout(tuple(result.boundaries))
-            t_k = step_time(sub.loads_of_assignment(new.owner()), m)
+            t_k = self.step_s(sub, new)
             if t_k <= limit:
                 break
         else:
@@ -389,7 +390,7 @@ class Controller:
         if c.when != "every" and not self._fits_on_most_steps(current, new, k):
             return None
         now = max(problem.loads_of_assignment(current.owner()))
-        t_now = step_time(problem.loads_of_assignment(current.owner()), m)
+        t_now = self.step_s(problem, current)
         cost = self.migration_cost(layer_bytes, current, new)
         gain = (t_now - t_k) * max(0, min(c.horizon, steps_left))
         return self._decided(step, current, Decision(new, result.bottleneck, now, gain, cost, released=p - k,
@@ -402,7 +403,7 @@ class Controller:
         for costs in self.history:
             full = self.problem(costs, current.num_stages, current)
             best = balance(full, "optimal")
-            t_best = step_time(full.loads_of_assignment(Layout(tuple(best.boundaries)).owner()), self.microbatches)
-            t_k = step_time(self.problem(costs, k).loads_of_assignment(new.owner()), self.microbatches)
+            t_best = self.step_s(full, Layout(tuple(best.boundaries)))
+            t_k = self.step_s(self.problem(costs, k), new)
             ok += t_k <= t_best * (1 + self.cfg.repack_tolerance) * (1 + 1e-9)
         return ok >= -(-len(self.history) * 4 // 5)
