@@ -207,9 +207,11 @@ def test_dynamism_trigger_rebalances_after_profiling_the_change(tmp_path):
     assert [r["loss"] for r in dyn] == [r["loss"] for r in static]
     moved = [r["step"] for r in dyn if any(e["type"] == "migration" for e in r["events"])]
     assert moved == [6]
-    # the imbalance falls: medians over the steps after the move, since one step's measured
-    # imbalance on a busy 2-core machine swings by more than the effect (a fresh-clone run saw the
-    # last step at 0.64 vs 0.51 with the right layout)
-    after = slice(6, None)
-    assert dyn[6]["layout"] != [0, 3, 6]
-    assert median(r["imbalance"] for r in dyn[after]) < median(r["imbalance"] for r in static[after])
+    # the layout is the optimum of the profiled window's forecast (asserted on the recorded
+    # costs, not on this machine's timing of the steps after the move)
+    ev = next(e for e in dyn[6]["events"] if e["type"] == "migration")
+    forecast = [median(col) for col in zip(*(r["layer_cost_s"] for r in dyn[3:6]))]
+    forecast = [c * ev["speeds"][s] for c, s in zip(forecast, Layout((0, 3, 6)).owner())]
+    best = balance(Problem(costs=forecast, stages=2, current=[0, 3, 6], speeds=ev["speeds"],
+                           transfer=ev["transfer_s"]), "optimal")
+    assert dyn[6]["layout"] == list(best.boundaries) != [0, 3, 6]
