@@ -6,22 +6,61 @@ it again at start-up.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
+import tomllib
 from pathlib import Path
 
 from dynmo import hf_config
 from dynmo.config import Config, ConfigError, ModelConfig
 from dynmo.loop import check_balance
 from dynmo.model.families import check_block
-from dynmo.plan import DTYPES, explicit_layout, num_layers, parse_relayouts, recompute_blocks, resolve_pp
+from dynmo.plan import DTYPES, explicit_layout, layer_names, num_layers, parse_relayouts, recompute_blocks, resolve_pp
 from dynmo.schedules import TRAINABLE, ScheduleError, get_schedule
 
 MODEL_SHAPE_FIELDS = ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "mlp_ratio", "tie_embeddings")
+BACKENDS = ("auto", "gloo", "nccl")
+
+# Numeric fields checked on every config, whatever is enabled: (field, bounds, what it is).
+# Bounds: ge (>=), gt (>), le (<=), lt (<). Fields of the dynamic-model cases (prune, freeze,
+# early_exit, noise) are checked by the cases' own check_options when enabled; the MoE and MoD
+# options when their block is chosen; every float field, whatever its section, must be finite.
+RANGES: tuple[tuple[str, dict, str], ...] = (
+    ("model.dropout", {"ge": 0, "lt": 1}, "a probability"),
+    ("data.val_fraction", {"ge": 0, "lt": 1}, "the fraction of the tokens held out for validation"),
+    ("train.lr", {"ge": 0}, "the peak learning rate"),
+    ("train.warmup_steps", {"ge": 0}, "steps of linear warm-up; 0 = none"),
+    ("train.weight_decay", {"ge": 0}, "AdamW's decoupled weight decay"),
+    ("train.beta1", {"ge": 0, "lt": 1}, "AdamW's decay of the gradient average"),
+    ("train.beta2", {"ge": 0, "lt": 1}, "AdamW's decay of the squared-gradient average"),
+    ("train.grad_clip", {"ge": 0}, "the largest global gradient norm; 0 = no clipping"),
+    ("train.seed", {"ge": 0, "le": 2**32 - 1}, "a 32-bit seed"),
+    ("train.eval_every", {"ge": 0}, "steps between validation losses; 0 = never"),
+    ("train.eval_batches", {"ge": 1}, "batches per validation loss"),
+    ("parallel.pp", {"ge": 0}, "pipeline ranks; 0 = world size / parallel.dp"),
+    ("parallel.timeout_s", {"gt": 0}, "seconds an operation waits for a peer before the job fails"),
+    ("balance.min_gain", {"ge": 0, "lt": 1}, "the fraction of the step time a rebalance must save"),
+    ("balance.horizon", {"ge": 1}, "steps over which a rebalance must repay its migration"),
+    ("skew.factor", {"ge": 1}, "times the skewed blocks run their MLP; 1 = no skew"),
+    ("skew.start_step", {"ge": 0}, "the first skewed step"),
+    ("checkpoint.every", {"ge": 0}, "steps between checkpoints; 0 = only the final one"),
+    ("checkpoint.keep", {"ge": 0}, "newest complete checkpoints kept; 0 = all"),
+    ("log.every", {"ge": 1}, "steps between logged lines"),
+)
+# what a checkpoint's dynmo.json must hold: key -> (accepts the value, what it should be)
+CHECKPOINT_KEYS = {
+    "step": (lambda v: type(v) is int and v >= 0, "a step number >= 0"),
+    "model": (lambda v: isinstance(v, dict), "the [model] section (an object)"),
+    "layer_names": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of layer names"),
+    "layout": (lambda v: isinstance(v, list) and all(type(x) is int for x in v), "a list of stage boundaries"),
+}
 
 
 def validate(cfg: Config, world: int) -> None:
     """Raise ConfigError naming the problem and the fix. `world` = number of ranks."""
     hf_config.apply(cfg)  # first: model.hf_path's config.json overwrites [model], which the checks below read
+    check_values(cfg)
     m, t, p = cfg.model, cfg.train, cfg.parallel
     try:
         schedule = get_schedule(p.schedule)
@@ -95,6 +134,7 @@ def validate(cfg: Config, world: int) -> None:
             raise ConfigError(f"model.moe.top_k={o.top_k} must be in 1..model.moe.num_experts={o.num_experts}")
         if o.capacity_factor < 0:
             raise ConfigError("model.moe.capacity_factor must be >= 0 (0 = dropless)")
+        require("model.moe.aux_loss_coef", o.aux_loss_coef, ge=0, why="the weight of the load-balancing loss")
     if m.block == "hashattn":
         o = m.hashattn
         if o.n_buckets < 1 or o.chunk < 1 or m.seq_len % o.chunk:
@@ -110,6 +150,7 @@ def validate(cfg: Config, world: int) -> None:
         bad = [c for c in [o.capacity, *o.capacities] if not 0.0 < c <= 1.0]
         if bad:
             raise ConfigError(f"model.mod capacities {bad} must be in (0, 1] (a fraction of each sequence)")
+        require("model.mod.predictor_loss_coef", o.predictor_loss_coef, ge=0, why="the weight of the predictor's loss")
     # the cases check their own options (imported only when enabled: they need torch)
     if cfg.prune.enabled:
         from dynmo.dynamics.prune import check_options as check_prune
@@ -130,7 +171,12 @@ def validate(cfg: Config, world: int) -> None:
         from dynmo.dynamics.noise import check_options as check_noise
 
         check_noise(cfg.noise, pp)
-    # data
+    # files and folders
+    check_path("out", cfg.out, folder=True)
+    if cfg.log.trace:
+        check_path("log.trace", cfg.log.trace, folder=False)
+    if cfg.data.cache_dir:
+        check_path("data.cache_dir", cfg.data.cache_dir, folder=True)
     for path in cfg.data.paths:
         if not Path(path).exists():
             raise ConfigError(f"data path {path!r} does not exist (data.paths takes text files or folders)")
@@ -163,20 +209,192 @@ def check_family(m) -> None:
         raise ConfigError(f"model.rope_theta={m.rope_theta} and model.norm_eps={m.norm_eps} must be > 0")
 
 
-def check_checkpoint(cfg: Config, path: str) -> dict:
+def _fmt(x) -> str:
+    if isinstance(x, bool):
+        return str(x).lower()
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def require(where: str, value, *, ge=None, gt=None, le=None, lt=None, why: str = "") -> None:
+    """Raise ConfigError unless `value` lies within the bounds (NaN never does)."""
+    ok = ((ge is None or value >= ge) and (gt is None or value > gt)
+          and (le is None or value <= le) and (lt is None or value < lt))
+    if ok:
+        return
+    if (ge is not None or gt is not None) and (le is not None or lt is not None):
+        lo = f"[{_fmt(ge)}" if ge is not None else f"({_fmt(gt)}"
+        hi = f"{_fmt(le)}]" if le is not None else f"{_fmt(lt)})"
+        rule = f"in {lo}, {hi}"
+    else:
+        rule = next(f"{op} {_fmt(b)}" for op, b in ((">=", ge), (">", gt), ("<=", le), ("<", lt)) if b is not None)
+    raise ConfigError(f"{where}={_fmt(value)} must be {rule}" + (f" ({why})" if why else ""))
+
+
+def check_values(cfg: Config) -> None:
+    """Every float of the config is finite, and the numeric fields of `RANGES` are in range."""
+
+    def finite(obj, prefix: str) -> None:
+        for f in dataclasses.fields(obj):
+            v, where = getattr(obj, f.name), prefix + f.name
+            if dataclasses.is_dataclass(v):
+                finite(v, where + ".")
+                continue
+            for x in v if isinstance(v, list) else [v]:
+                if isinstance(x, float) and not math.isfinite(x):
+                    shown = _fmt(x) if v is x else f"{v}: {_fmt(x)}"
+                    raise ConfigError(f"{where}={shown} is not a finite number")
+
+    finite(cfg, "")
+    for where, bounds, why in RANGES:
+        obj = cfg
+        for part in where.split("."):
+            obj = getattr(obj, part)
+        require(where, obj, **bounds, why=why)
+    t = cfg.train
+    require("train.min_lr", t.min_lr, ge=0, le=t.lr, why="the learning rate the cosine decay ends at, at most train.lr")
+    if cfg.parallel.backend not in BACKENDS:
+        raise ConfigError(f"unknown parallel.backend {cfg.parallel.backend!r}; choose one of {', '.join(BACKENDS)}")
+
+
+def check_path(where: str, path: str, folder: bool) -> None:
+    """A path the run will create or write: a folder (`folder`) or a file whose folder may not exist
+    yet. Refuse a folder that is an existing file, a file that is an existing folder, and a path
+    under an existing file."""
+    p = Path(path).expanduser()
+    if p.exists():
+        if folder and not p.is_dir():
+            raise ConfigError(f"{where}={path!r} is an existing file, not a folder; give a folder path")
+        if not folder and p.is_dir():
+            raise ConfigError(f"{where}={path!r} is an existing folder, not a file; give a file path")
+        return
+    for parent in p.absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError(f"{where}={path!r}: {parent} is a file, so nothing can be created under it")
+            return
+
+
+def read_checkpoint_meta(path: str) -> dict:
+    """The checkpoint folder's dynmo.json, checked to hold what a resume reads."""
     meta_path = Path(path) / "dynmo.json"
     if not meta_path.is_file():
         raise ConfigError(f"checkpoint.resume={path!r} is not a dynmo checkpoint (no dynmo.json inside)")
-    meta = json.loads(meta_path.read_text())
-    saved = {k: meta["model"].get(k, getattr(ModelConfig(), k)) for k in MODEL_SHAPE_FIELDS}  # older: defaults
-    diffs = [
-        f"model.{k}: checkpoint {saved[k]} vs config {getattr(cfg.model, k)}"
-        for k in MODEL_SHAPE_FIELDS
-        if saved[k] != getattr(cfg.model, k)
-    ]
+    damaged = "the checkpoint is incomplete or damaged; resume from another checkpoint"
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError) as e:  # unreadable, not UTF-8, not JSON (JSONDecodeError is a ValueError)
+        raise ConfigError(f"{meta_path} is not valid JSON ({e}); {damaged}") from None
+    if not isinstance(meta, dict):
+        raise ConfigError(f"{meta_path} holds a JSON {type(meta).__name__}, not an object; {damaged}")
+    missing = [k for k in CHECKPOINT_KEYS if k not in meta]
+    if missing:
+        raise ConfigError(f"{meta_path} lacks {', '.join(repr(k) for k in missing)}; {damaged}")
+    for key, (ok, what) in CHECKPOINT_KEYS.items():
+        if not ok(meta[key]):
+            shown = repr(meta[key])
+            raise ConfigError(f"{meta_path}: {key!r} should be {what}, got {shown[:60] + '...' if len(shown) > 60 else shown}"
+                              f"; {damaged}")
+    return meta
+
+
+def _with_defaults(saved: dict, defaults: dict) -> dict:
+    """`saved` over `defaults`, section by section: what an older checkpoint lacks takes the default."""
+    out = dict(defaults)
+    for k, v in saved.items():
+        out[k] = _with_defaults(v, defaults[k]) if isinstance(v, dict) and isinstance(defaults.get(k), dict) else v
+    return out
+
+
+def model_signature(m: dict) -> dict[str, object]:
+    """What decides the set and the shapes of a model's parameters and saved buffers, by field
+    name, sizes that 0 derives resolved: `MODEL_SHAPE_FIELDS`, the family and block, the
+    llama/mixtral attention and MLP sizes, the MoE expert count, the hash buckets (a buffer)."""
+    sig: dict[str, object] = {"family": m["family"], "block": m["block"]}
+    sig |= {k: m[k] for k in MODEL_SHAPE_FIELDS}
+    if m["family"] != "gpt":  # the GPT's layers ignore these
+        heads = m["n_heads"]
+        sig["n_kv_heads"] = m["n_kv_heads"] or heads
+        sig["head_dim"] = m["head_dim"] or (m["d_model"] // heads if heads else 0)
+        sig["intermediate_size"] = m["intermediate_size"] or m["mlp_ratio"] * m["d_model"]
+        sig["attention_bias"] = m["attention_bias"]
+    if m["block"] == "moe":
+        sig["moe.num_experts"] = m["moe"]["num_experts"]
+    if m["block"] == "hashattn":
+        sig["hashattn.n_buckets"] = m["hashattn"]["n_buckets"]
+    return sig
+
+
+def check_checkpoint(cfg: Config, path: str) -> dict:
+    """A checkpoint the config can resume from: a complete dynmo.json, the same model (the
+    same parameters with the same shapes, the same layer names), the same dynamic-model cases
+    where they add or remove parameters or optimizer state, and a step within train.steps."""
+    meta = read_checkpoint_meta(path)
+    defaults = dataclasses.asdict(ModelConfig())
+    try:
+        saved = model_signature(_with_defaults(meta["model"], defaults))  # older checkpoints: defaults
+    except (TypeError, KeyError, ValueError, ArithmeticError):
+        raise ConfigError(f"{Path(path) / 'dynmo.json'}: its 'model' section is malformed; the checkpoint is "
+                          "incomplete or damaged; resume from another checkpoint") from None
+    now = model_signature(dataclasses.asdict(cfg.model))
+    diffs = [f"model.{k}: checkpoint {_fmt(saved[k])} vs config {_fmt(now[k])}"
+             for k in now if k in saved and saved[k] != now[k]]
     if diffs:
         raise ConfigError(
             "the checkpoint holds a model of a different shape: " + "; ".join(diffs) +
             ". Resume with the checkpoint's model settings (its config.toml is beside it)."
         )
+    names, theirs = layer_names(cfg), meta["layer_names"]
+    if theirs != names:
+        i = next((i for i, (a, b) in enumerate(zip(theirs, names)) if a != b), min(len(theirs), len(names)))
+        a = repr(theirs[i]) if i < len(theirs) else "nothing"
+        b = repr(names[i]) if i < len(names) else "nothing"
+        raise ConfigError(f"{Path(path) / 'dynmo.json'}: the checkpoint's layers are not the model's: layer {i} is {a} "
+                          f"in the checkpoint and {b} in the model ({len(theirs)} vs {len(names)} layers)")
+    check_checkpoint_cases(cfg, path, meta)
+    step, steps = meta["step"], cfg.train.steps
+    if step > steps:
+        raise ConfigError(f"checkpoint {path} is at step {step}, past train.steps={steps}; raise --steps "
+                          f"(train.steps) to {step} or more to train on from it")
+    # DCP's own metadata, read without running code: a crafted file is refused here, before launch
+    from dynmo.runtime.safeload import CheckpointError, read_metadata
+
+    try:
+        read_metadata(path)
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
     return meta
+
+
+def check_checkpoint_cases(cfg: Config, path: str, meta: dict) -> None:
+    """The cases that change the parameters (early exit adds classifiers, structured pruning
+    narrows MLPs) or the optimizer state (freezing drops it) must be on to resume their state."""
+    cases = meta.get("cases")
+    if not isinstance(cases, dict):  # older checkpoints record no cases
+        return
+    if cfg.early_exit.enabled:
+        if "early-exit" not in cases:  # the case's name (dynmo.dynamics.earlyexit.EarlyExit.name)
+            raise ConfigError(f"checkpoint {path} was saved without early exit, so its blocks have no exit classifiers; "
+                              "resume with early_exit.enabled = false, or start a new run")
+        first = _saved_setting(path, "early_exit", "first_block")
+        if isinstance(first, int) and cfg.early_exit.first_block < first:
+            raise ConfigError(f"checkpoint {path} has exit classifiers from block {first} on; resume with "
+                              f"early_exit.first_block >= {first} (got {cfg.early_exit.first_block})")
+    freeze, prune = cases.get("freeze"), cases.get("prune")
+    frozen = freeze.get("frozen") if isinstance(freeze, dict) else None
+    if frozen and not cfg.freeze.enabled:
+        names = layer_names(cfg)
+        shown = ", ".join(names[i] if type(i) is int and 0 <= i < len(names) else str(i) for i in frozen)
+        raise ConfigError(f"checkpoint {path} has frozen layers ({shown}), saved without optimizer state; "
+                          "resume with freeze.enabled = true")
+    hidden = prune.get("hidden") if isinstance(prune, dict) else None
+    if hidden and not cfg.prune.enabled:
+        raise ConfigError(f"checkpoint {path} holds structurally pruned blocks (narrower MLPs); resume with "
+                          "prune.enabled = true and prune.structured = true")
+
+
+def _saved_setting(path: str, section: str, name: str):
+    """A setting of the config.toml saved beside a checkpoint, or None if it is not there."""
+    try:
+        return tomllib.loads((Path(path) / "config.toml").read_text()).get(section, {}).get(name)
+    except (OSError, ValueError, AttributeError):
+        return None

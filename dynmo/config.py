@@ -117,6 +117,9 @@ class ParallelConfig:
     # Forced re-layouts: "STEP:LAYOUT" entries, applied before that step, e.g. "5:0,3,6,10".
     relayout: list[str] = field(default_factory=list)
     backend: str = "auto"  # auto (nccl with CUDA, else gloo) | gloo | nccl
+    # Seconds a collective or point-to-point operation may wait for a peer (a rank that died or
+    # hangs) before the job fails with an error instead of waiting forever.
+    timeout_s: float = 300.0
 
 
 @dataclass
@@ -224,6 +227,7 @@ class CheckpointConfig:
     every: int = 0  # save every N steps; 0 = only at the end when `final` is set
     final: bool = False
     resume: str = ""  # checkpoint folder to resume from
+    keep: int = 0  # keep the newest `keep` complete checkpoints of the run folder, remove older ones; 0 = keep all
 
 
 @dataclass
@@ -248,7 +252,10 @@ class Config:
     early_exit: EarlyExitConfig = field(default_factory=EarlyExitConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
-    out: str = "runs/default"
+    out: str = "runs/default"  # the run folder: config, metrics, checkpoints, TensorBoard
+    # true: a new run may replace a run folder that already holds a run; false: such a folder
+    # is refused (resume from its checkpoint, or pick another folder).
+    overwrite: bool = False
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -257,6 +264,12 @@ class Config:
 def _sections() -> dict[str, type]:
     hints = typing.get_type_hints(Config)
     return {f.name: hints[f.name] for f in dataclasses.fields(Config) if dataclasses.is_dataclass(hints[f.name])}
+
+
+def _top_level() -> dict[str, type]:
+    """The fields of `Config` that are values, not sections (`out`, `overwrite`)."""
+    hints = typing.get_type_hints(Config)
+    return {f.name: hints[f.name] for f in dataclasses.fields(Config) if not dataclasses.is_dataclass(hints[f.name])}
 
 
 def _coerce(value, typ, where: str):
@@ -293,10 +306,12 @@ def _coerce(value, typ, where: str):
 def _set(cfg: Config, dotted: str, value) -> None:
     sections = _sections()
     if "." not in dotted:
-        if dotted == "out":
-            cfg.out = _coerce(value, str, "out")
+        top = _top_level()
+        if dotted in top:
+            setattr(cfg, dotted, _coerce(value, top[dotted], dotted))
             return
-        raise ConfigError(f"unknown option {dotted!r}; options look like section.field, sections: {sorted(sections)}")
+        raise ConfigError(f"unknown option {dotted!r}; options look like section.field, sections: {sorted(sections)}, "
+                          f"or one of {sorted(top)}")
     sec, name = dotted.split(".", 1)
     if sec not in sections:
         raise ConfigError(f"unknown config section {sec!r}; known: {sorted(sections)}")
@@ -382,7 +397,8 @@ def to_toml(cfg: Config) -> str:
                 table(f"{name}.{k}", v)
 
     d = cfg.to_dict()
-    lines.append(f"out = {fmt(d.pop('out'))}")
+    for name in _top_level():  # bare keys before the first table
+        lines.append(f"{name} = {fmt(d.pop(name))}")
     for sec, fields in d.items():
         table(sec, fields)
     return "\n".join(lines) + "\n"

@@ -81,15 +81,15 @@ def plan(path: Path, model: ModelConfig, meta: dict) -> tuple[list[tuple], list[
     as the embedding's tensor, which the export writes once.
     """
     import torch
-    import torch.distributed.checkpoint as dcp
 
     from dynmo.model.layers import family, layer_class, layer_specs
+    from dynmo.runtime import safeload
 
     specs = layer_specs(model)
     tied_head = family(model).tied[1] if model.tie_embeddings else None
     if meta.get("layer_names") and meta["layer_names"] != [s.name for s in specs]:
         raise ExportError(f"{path}: its layers {meta['layer_names']} do not match its model section")
-    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    stored = safeload.read_metadata(path).state_dict_metadata
     items, wanted = [], set()
     for spec in specs:
         with torch.device("meta"):
@@ -136,10 +136,10 @@ def export(path: Path, out: Path, max_shard_bytes: int = 5 * 10**9, force: bool 
     meta, model = read_checkpoint(path)
     check_out(out, force)
     import torch
-    import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
 
     from dynmo.model.hf import HFCheckpointError, hf_config_dict, to_hf
+    from dynmo.runtime import safeload
 
     source = Path(model.hf_path) if model.hf_path else None
     base = {}
@@ -163,7 +163,7 @@ def export(path: Path, out: Path, max_shard_bytes: int = 5 * 10**9, force: bool 
         sd = {key: torch.empty(shape, dtype=dtype) for key, _, _, shape, dtype in group}
         with warnings.catch_warnings():  # DCP warns that it assumes one process: that is the intent
             warnings.simplefilter("ignore")
-            dcp.load(sd, checkpoint_id=str(path), no_dist=True)
+            safeload.load(sd, path, no_dist=True)
         tensors: dict[str, torch.Tensor] = {}
         for key, spec, pname, _, _ in group:
             tensors |= to_hf(spec, pname, sd[key].to(torch.float32).contiguous(), model)
@@ -192,9 +192,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
     ap.add_argument("--force", action="store_true", help="write into a non-empty OUT, replacing its files")
     args = ap.parse_args(argv)
+    from dynmo.runtime.safeload import CheckpointError
+
     try:
         res = export(Path(args.checkpoint), Path(args.hf), parse_size(args.max_shard_size), args.force)
-    except ExportError as e:
+    except (ExportError, CheckpointError) as e:
         print(f"dynmo export: error: {e}", file=sys.stderr)
         return 2
     print(f"dynmo export: {res['tensors']} tensors ({res['bytes'] / 1e6:.1f} MB) of step {res['step']} -> "

@@ -3,21 +3,86 @@
     dynmo train --nproc 2 --config configs/default.toml --steps 50 --out runs/default \
         [--section.field VALUE ...]
 
-`--steps`, `--out` and `--trace` are shorthands for `--train.steps`, `--out` and `--log.trace`. Everything after the
-known flags is passed on as config overrides. On a cluster, call torchrun yourself:
-`torchrun --nnodes ... --nproc-per-node 8 -m dynmo.train --config FILE ...`.
+`--steps`, `--out`, `--trace` and `--overwrite` are shorthands for `--train.steps`, `--out`, `--log.trace`
+and `--overwrite true`. Everything after the known flags is passed on as config overrides.
+`--max-restarts`, `--nnodes`, `--node-rank`, `--rdzv-endpoint` and `--rdzv-id` go to torchrun
+(docs/failures.md: restarts, elastic jobs, several machines, SLURM).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from dynmo import checks
+from dynmo import checks, rundir
 from dynmo.config import ConfigError, load_config
+
+STOP_GRACE_S = 20  # after a forwarded signal, how long torchrun gets to stop its workers
+
+
+def _term_with_parent() -> None:
+    """In torchrun's process, before exec: SIGTERM when the launcher dies, even by SIGKILL, so
+    torchrun stops its workers instead of leaving them to train on (Linux)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+
+
+def _run_forwarding_signals(cmd: list[str], env: dict) -> int:
+    """Run torchrun; SIGINT, SIGTERM and SIGHUP sent to the launcher go to torchrun, which
+    stops its workers (they live in their own sessions, out of reach of the terminal)."""
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=_term_with_parent)
+    got: list[int] = []
+
+    def forward(sig, _frame):
+        got.append(sig)
+        proc.send_signal(sig)
+
+    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        while True:
+            try:
+                rc = proc.wait(timeout=STOP_GRACE_S if got else None)
+                break
+            except subprocess.TimeoutExpired:
+                proc.kill()  # torchrun did not stop in time
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    return 128 + got[0] if got else rc
+
+
+def _node_args(args) -> list[str]:
+    """torchrun's node and rendezvous flags: standalone on one machine, c10d rendezvous across
+    machines (or several agents on one), elastic when --nnodes is MIN:MAX."""
+    if args.nnodes == "1" and not args.rdzv_endpoint:
+        return ["--standalone"]
+    if not args.rdzv_endpoint:
+        raise ConfigError("--nnodes needs --rdzv-endpoint HOST:PORT (the machine that hosts the rendezvous)")
+    out = [f"--nnodes={args.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}",
+           f"--rdzv-id={args.rdzv_id}"]
+    if args.node_rank is not None:
+        out.append(f"--node-rank={args.node_rank}")
+    return out
+
+
+def _worlds(args) -> list[int]:
+    """The world sizes the job may run at: nproc x each node count --nnodes allows."""
+    try:
+        lo, _, hi = args.nnodes.partition(":")
+        lo, hi = int(lo), int(hi or lo)
+    except ValueError:
+        raise ConfigError(f"--nnodes {args.nnodes!r}: give a node count N or MIN:MAX") from None
+    if not 1 <= lo <= hi:
+        raise ConfigError(f"--nnodes {args.nnodes!r}: need 1 <= MIN <= MAX")
+    return sorted({args.nproc * lo, args.nproc * hi})
 
 
 def main(argv: list[str]) -> int:
@@ -30,6 +95,15 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--steps", type=int, default=None, help="training steps (= --train.steps)")
     ap.add_argument("--out", default=None, help="run folder for metrics, checkpoints, TensorBoard")
     ap.add_argument("--trace", default=None, help="write a per-layer cost trace (JSON Lines, docs/simulator.md) here (= --log.trace)")
+    ap.add_argument("--overwrite", nargs="?", const="true", default=None, choices=["true", "false"],
+                    help="replace the run in a non-empty --out (= --overwrite true)")
+    ap.add_argument("--max-restarts", type=int, default=0,
+                    help="restart the job up to N times when a worker fails; it resumes from the newest complete "
+                         "checkpoint in --out (set --checkpoint.every)")
+    ap.add_argument("--nnodes", default="1", help="machines in the job, or MIN:MAX for an elastic job (default 1)")
+    ap.add_argument("--node-rank", type=int, default=None, help="this machine's rank (optional with c10d rendezvous)")
+    ap.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous, on one of the machines")
+    ap.add_argument("--rdzv-id", default="dynmo", help="a job id shared by every machine's launcher (default dynmo)")
     args, overrides = ap.parse_known_args(argv)
     if args.steps is not None:
         overrides += ["--train.steps", str(args.steps)]
@@ -37,12 +111,20 @@ def main(argv: list[str]) -> int:
         overrides += ["--out", args.out]
     if args.trace is not None:
         overrides += ["--log.trace", str(Path(args.trace).resolve())]
-    if args.nproc < 1:
-        print("dynmo train: error: --nproc must be >= 1", file=sys.stderr)
+    if args.overwrite is not None:
+        overrides += ["--overwrite", args.overwrite]
+    if args.nproc < 1 or args.max_restarts < 0:
+        print("dynmo train: error: --nproc must be >= 1 and --max-restarts >= 0", file=sys.stderr)
         return 2
     try:
+        worlds = _worlds(args)
+        node = _node_args(args)
         cfg = load_config(args.config, overrides)
-        checks.validate(cfg, args.nproc)
+        cfg.checkpoint.resume = rundir.resolve_resume(cfg.checkpoint.resume, cfg.out)
+        for world in worlds:
+            checks.validate(cfg, world)
+        if node == ["--standalone"]:  # with several machines, rank 0 checks the shared run folder
+            rundir.check_run_folder(cfg.out, cfg.checkpoint.resume, cfg.overwrite)
     except ConfigError as e:
         print(f"dynmo train: error: {e}", file=sys.stderr)
         return 2
@@ -54,12 +136,16 @@ def main(argv: list[str]) -> int:
     except DataError as e:
         print(f"dynmo train: error: {e}", file=sys.stderr)
         return 2
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-           "-m", "dynmo.train"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *node, f"--nproc-per-node={args.nproc}",
+           f"--max-restarts={args.max_restarts}", "-m", "dynmo.train"]
     if args.config:
         cmd += ["--config", args.config]
     cmd += overrides
     env = dict(os.environ)
     # One thread per rank unless told otherwise: ranks share the cores.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
-    return subprocess.call(cmd, env=env)
+    # Workers of each (re)start get a fresh key-value store on rank 0. torchrun's default shares
+    # the rendezvous store across restarts without a per-attempt prefix, and gloo then reads its
+    # peers' addresses from the failed attempt and cannot connect.
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    return _run_forwarding_signals(cmd, env)

@@ -16,6 +16,12 @@ def num_layers(cfg: Config) -> int:
     return cfg.model.n_layers + 2
 
 
+def layer_names(cfg: Config) -> list[str]:
+    """The layers' names in model order (checkpoint key prefixes): embed, block0, ..., head.
+    The same names as `dynmo.model.layers.LayerSpec.name`, without importing torch."""
+    return ["embed", *(f"block{b}" for b in range(cfg.model.n_layers)), "head"]
+
+
 def resolve_pp(cfg: Config, world: int) -> int:
     """Pipeline ranks: `parallel.pp`, or the world size over the data-parallel replicas."""
     p = cfg.parallel
@@ -55,8 +61,10 @@ def initial_layout(cfg: Config, num_stages: int, layer_params: list[int] | None 
 
 def parse_relayouts(cfg: Config, num_stages: int) -> dict[int, Layout]:
     """`parallel.relayout` entries "STEP:LAYOUT" -> {step: layout}; a layout with fewer stages is
-    a re-pack, and later entries apply to the shrunk pipeline."""
+    a re-pack, and later entries apply to the shrunk pipeline. Steps are 0-based, at most one
+    entry per step, each before a step the run trains (0 .. train.steps - 1)."""
     out: dict[int, Layout] = {}
+    steps = cfg.train.steps
     for entry in cfg.parallel.relayout:
         if ":" not in entry:
             raise ConfigError(f"parallel.relayout entry {entry!r} must look like STEP:LAYOUT, e.g. 5:0,3,6,10")
@@ -66,6 +74,12 @@ def parse_relayouts(cfg: Config, num_stages: int) -> dict[int, Layout]:
         except ValueError:
             raise ConfigError(f"parallel.relayout entry {entry!r}: step {step_s!r} is not an integer") from None
         where = f"parallel.relayout entry {entry!r}"
+        if step in out:
+            raise ConfigError(f"{where}: step {step} already has a re-layout; give one entry per step")
+        if not 0 <= step < steps:
+            span = f"steps 0..{steps - 1}" if steps else "no steps"
+            raise ConfigError(f"{where}: step {step} is not a step of the run ({span} with train.steps={steps}), "
+                              "so it would never apply")
         try:
             layout = Layout.parse(lay, num_layers(cfg))
         except LayoutError as e:

@@ -9,7 +9,10 @@ loop observes and the metrics and the trace write.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -17,21 +20,26 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dynmo import checks, plan
+from dynmo import checks, plan, rundir
 from dynmo.config import Config, ConfigError, load_config, to_toml
 from dynmo.data import TokenData, prepare
 from dynmo.dynamics.case import Case
 from dynmo.dynamics.registry import CASES
 from dynmo.layout import Layout
 from dynmo.loop import DynmoLoop
-from dynmo.model.layers import layer_param_counts
+from dynmo.model.layers import layer_param_counts, layer_specs
 from dynmo.record import StepRecord
-from dynmo.runtime import checkpoint, probe
+from dynmo.runtime import checkpoint, faults, probe
 from dynmo.runtime import dist as rdist
 from dynmo.runtime.host import PipelineHost
 from dynmo.runtime.metrics import MetricsLog
 from dynmo.runtime.pipeline import Pipeline
 from dynmo.runtime.record import gather_record
+from dynmo.runtime.watch import Heartbeat
+
+
+class Diverged(RuntimeError):
+    """The loss or the gradient norm is not finite."""
 
 
 class Trainer:
@@ -44,7 +52,9 @@ class Trainer:
         self.data = TokenData.load(Path(obj[0]), cfg.model.seq_len, cfg.data.val_fraction, cfg.train.seed)
         num_stages = ctx.pp * cfg.parallel.virtual_stages
         self.params = layer_param_counts(cfg.model)
-        self.pipe = Pipeline(cfg, ctx, plan.initial_layout(cfg, num_stages, self.params))
+        saved = checkpoint.read_meta(Path(cfg.checkpoint.resume)) if cfg.checkpoint.resume else {}
+        self.saved_costs = saved.get("layer_costs")
+        self.pipe = Pipeline(cfg, ctx, self._first_layout(saved, num_stages))
         self.letters = [s.letter for s in self.pipe.specs]
         if self.pipe.hf_read:
             names = ", ".join(self.pipe.specs[i].name for i in sorted(self.pipe.layers))
@@ -57,9 +67,8 @@ class Trainer:
         self.pipe.layer_extras = self.cases  # their per-layer state travels with migrating layers
         if cfg.checkpoint.resume:
             path = Path(cfg.checkpoint.resume)
-            saved = checkpoint.read_meta(path).get("cases", {})
             for c in self.cases:
-                c.load_state(saved.get(c.name, {}))
+                c.load_state(saved.get("cases", {}).get(c.name, {}))
             self.start_step = checkpoint.load(self.pipe, path)
             for c in self.cases:
                 c.after_load(self.start_step)
@@ -77,6 +86,26 @@ class Trainer:
                       flush=True)
         self.loop = DynmoLoop(cfg.balance, microbatches=self.pipe.microbatches, schedule=cfg.parallel.schedule,
                               layer_params=self.params, speeds=speeds, transfer=transfer)
+        if self.saved_costs and cfg.balance.cost == "time":
+            self.loop.controller.history.append(list(self.saved_costs))  # the starting forecast
+
+    def _first_layout(self, saved: dict, num_stages: int) -> Layout:
+        """`parallel.layout`, except when resuming on a different number of stages than the
+        checkpoint was saved with (an elastic restart on fewer workers) and the layout is not
+        explicit: then the balancer lays the layers out on the costs measured before the save."""
+        cfg = self.cfg
+        costs, old = saved.get("layer_costs"), saved.get("layout")
+        explicit = cfg.parallel.layout.strip().lower() not in ("uniform", "params")
+        if not costs or not old or len(old) - 1 == num_stages or explicit or cfg.parallel.virtual_stages != 1:
+            return plan.initial_layout(cfg, num_stages, self.params)
+        from dynmo.balance import Problem, balance
+
+        layout = Layout(tuple(balance(Problem(costs=costs, stages=num_stages), cfg.balance.balancer).boundaries))
+        if self.ctx.is_logger:
+            print(f"dynmo: resuming on {num_stages} stages (saved on {len(old) - 1}): layout "
+                  f"{layout.format([s.letter for s in layer_specs(cfg.model)])} chosen by the {cfg.balance.balancer} balancer "
+                  "from the layer costs measured before the checkpoint", flush=True)
+        return layout
 
     # ---- before a step -------------------------------------------------------------------
     def _before_step(self, step: int) -> list[dict]:
@@ -149,6 +178,8 @@ class Trainer:
         t_start = time.perf_counter()
         records: list[StepRecord] = []
         for step in range(self.start_step, cfg.train.steps):
+            faults.at_step(step)
+            faults.point("step")
             events = self._before_step(step)
             if self.pipe.released:
                 return {"released": True, "rank": ctx.rank, "step": step}
@@ -159,6 +190,11 @@ class Trainer:
             for c in self.cases:
                 stats.update(c.layer_stats())
             rec = gather_record(self.pipe, step, res, events, stats, tokens, self.letters)
+            if not (math.isfinite(rec.loss) and math.isfinite(rec.grad_norm)):
+                # every rank sees the merged record, so all stop here together; nothing is saved
+                raise Diverged(f"the loss is {rec.loss} (gradient norm {rec.grad_norm}) at step {step}; "
+                               f"training stopped before saving anything from it. {self._last_checkpoint()} "
+                               "Lower train.lr, raise train.warmup_steps or set train.grad_clip, then resume.")
             self.loop.observe(rec)
             if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0:
                 rec.val_loss = self.validate()
@@ -194,7 +230,12 @@ class Trainer:
         return summary
 
     def _save(self, path: Path, step: int) -> None:
-        checkpoint.save(self.pipe, path, step, self.cfg, {c.name: c.state() for c in self.cases})
+        checkpoint.save(self.pipe, path, step, self.cfg, {c.name: c.state() for c in self.cases}, self.cfg.checkpoint.keep,
+                        costs=self.loop.controller.forecast())
+
+    def _last_checkpoint(self) -> str:
+        latest = rundir.latest_checkpoint(self.out)
+        return f"The last complete checkpoint is {latest}." if latest else "No checkpoint was saved yet."
 
     def validate(self) -> float:
         total, n = 0.0, 0
@@ -208,22 +249,80 @@ class Trainer:
         return float(t[0] / t[1])
 
 
+def _die_with_parent() -> None:
+    """Linux: this worker gets SIGKILL when its parent (torchrun's agent) dies, however it
+    dies, so a killed launcher never leaves workers training on their own."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before the line above
+        os._exit(1)
+
+
+def _restart_resume(cfg: Config) -> int:
+    """After torchrun restarted the job (`dynmo train --max-restarts N`), resume from the
+    newest complete checkpoint in the run folder, if any. Returns the restart count."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restart:
+        latest = rundir.latest_checkpoint(Path(cfg.out))
+        if latest is not None:
+            cfg.checkpoint.resume = str(latest)
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(f"dynmo: restart {restart}: resuming from {latest}", flush=True)
+    return restart
+
+
+def _folder_verdict(cfg: Config, ctx: rdist.DistContext, restart: int) -> str:
+    """Rank 0 checks the run folder (a new run never writes over an old one) and tells all."""
+    verdict = [""]
+    if ctx.rank == 0 and not restart:
+        try:
+            rundir.check_run_folder(cfg.out, cfg.checkpoint.resume, cfg.overwrite)
+            if cfg.overwrite:
+                rundir.clear_run(cfg.out)
+        except ConfigError as e:
+            verdict = [str(e)]
+    dist.broadcast_object_list(verdict, src=0)
+    return verdict[0]
+
+
+def _is_peer_failure(e: BaseException) -> bool:
+    if isinstance(e, dist.DistError):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(s in text for s in ("Timed out", "Connection closed", "Connection reset",
+                                                                     "timed out", "Broken pipe", "connection"))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(prog="dynmo.train", add_help=True)
     ap.add_argument("--config", default=None)
     known, overrides = ap.parse_known_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    _die_with_parent()
     try:
         cfg = load_config(known.config, overrides)
+        restart = _restart_resume(cfg)
+        cfg.checkpoint.resume = rundir.resolve_resume(cfg.checkpoint.resume, cfg.out)
         checks.validate(cfg, world)
     except ConfigError as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"dynmo: error: {e}", file=sys.stderr)
         return 2
     cfg.parallel.pp = plan.resolve_pp(cfg, world)
-    ctx = rdist.init(cfg.parallel.dp, cfg.parallel.pp, cfg.parallel.backend)
+    ctx = rdist.init(cfg.parallel.dp, cfg.parallel.pp, cfg.parallel.backend, cfg.parallel.timeout_s)
+    heartbeat = None
     try:
+        problem = _folder_verdict(cfg, ctx, restart)
+        if problem:
+            if ctx.rank == 0:
+                print(f"dynmo: error: {problem}", file=sys.stderr)
+            return 2
+        heartbeat = Heartbeat(ctx.rank, ctx.world)
         trainer = Trainer(cfg, ctx)
         summary = trainer.run()
         if summary.get("released"):
@@ -231,7 +330,23 @@ def main(argv: list[str] | None = None) -> int:
         # Meet before tearing down: a rank that destroys its gloo groups while a peer still has
         # traffic in flight can abort ("terminate called without an active exception").
         dist.barrier(group=trainer.ctx.active_group)
+    except (Diverged, checkpoint.CheckpointWriteError) as e:
+        print(f"dynmo: error: rank {ctx.rank}: {e}", file=sys.stderr, flush=True)
+        return 1
+    except Exception as e:
+        if not _is_peer_failure(e):
+            raise
+        silent = heartbeat.diagnose() if heartbeat else ""
+        who = f"{silent} stopped responding" if silent else f"a peer failed ({str(e).splitlines()[0][:200]})"
+        latest = rundir.latest_checkpoint(Path(cfg.out))
+        print(f"dynmo: error: rank {ctx.rank} at step {faults.current_step()}: {who}; the job stops "
+              f"(parallel.timeout_s = {cfg.parallel.timeout_s:g}). "
+              + (f"The last complete checkpoint is {latest}." if latest else "No checkpoint was saved."),
+              file=sys.stderr, flush=True)
+        return 1
     finally:
+        if heartbeat:
+            heartbeat.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0

@@ -1,6 +1,7 @@
 import json
 import re
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -41,9 +42,12 @@ TRANSIENT = re.compile(r"Address already in use|EADDRINUSE|Connection reset by p
 def run_train(out: Path, *args: str, nproc: int = 2, timeout: int = 300, check: bool = True) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "dynmo.cli", "train", "--nproc", str(nproc), "--out", str(out), *TINY, *args]
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    fresh = not Path(out).exists() or not any(Path(out).iterdir())
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if p.returncode != 0 and TRANSIENT.search(p.stderr):
         print(f"transient launcher failure, retrying once:\n{p.stderr[-2000:]}", file=sys.stderr)
+        if fresh and Path(out).is_dir():
+            shutil.rmtree(out)  # what the failed attempt wrote; a new run refuses a non-empty folder
         p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if check and p.returncode != 0:
         raise AssertionError(f"dynmo train failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")

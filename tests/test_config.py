@@ -1,3 +1,4 @@
+import re
 from pathlib import Path
 
 import pytest
@@ -55,3 +56,82 @@ def test_every_shipped_config_is_valid_on_two_ranks(path):
     from dynmo import checks
 
     checks.validate(load_config(path), 2)
+
+
+def test_new_fields_override_render_and_load(tmp_path):
+    cfg = load_config(None, ["--parallel.timeout_s", "60", "--checkpoint.keep", "2", "--overwrite", "true"])
+    assert cfg.parallel.timeout_s == 60.0 and cfg.checkpoint.keep == 2 and cfg.overwrite is True
+    text = to_toml(cfg)
+    assert "\noverwrite = true\n" in text and "timeout_s = 60.0" in text and "keep = 2" in text
+    assert text.index("overwrite = true") < text.index("[model]")  # bare keys before the first table
+    f = tmp_path / "c.toml"
+    f.write_text(text)
+    assert load_config(f).to_dict() == cfg.to_dict()
+    # a file written before these fields existed loads with their defaults
+    old = tmp_path / "old.toml"
+    old.write_text('out = "runs/x"\n[parallel]\nbackend = "gloo"\n[checkpoint]\nevery = 3\n')
+    cfg = load_config(old)
+    assert (cfg.parallel.timeout_s, cfg.checkpoint.keep, cfg.overwrite) == (300.0, 0, False)
+    g = tmp_path / "top.toml"
+    g.write_text("overwrite = true\n[checkpoint]\nkeep = 1\n")
+    assert load_config(g).overwrite is True and load_config(g).checkpoint.keep == 1
+    with pytest.raises(ConfigError, match="expected true/false"):
+        load_config(None, ["--overwrite", "maybe"])
+    with pytest.raises(ConfigError, match=r"unknown option 'overwrit'.*'out', 'overwrite'"):
+        load_config(None, ["--overwrit", "true"])
+
+
+def _float_fields(obj=None, prefix=""):
+    """Dotted names of every float (or list of floats) field of the config."""
+    import dataclasses
+    import typing
+
+    from dynmo.config import Config
+
+    obj = Config() if obj is None else obj
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if dataclasses.is_dataclass(v):
+            yield from _float_fields(v, f"{prefix}{f.name}.")
+        elif hints[f.name] in (float, list[float]):
+            yield f"{prefix}{f.name}"
+
+
+TINY_MODEL = ["--model.n_layers", "4", "--model.d_model", "64", "--model.n_heads", "2", "--model.seq_len", "32",
+              "--train.global_batch", "8"]
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize("name", sorted(_float_fields()))
+def test_every_float_field_must_be_finite(name, value):
+    from dynmo import checks
+
+    cfg = load_config(None, [*TINY_MODEL, f"--{name}", value])
+    with pytest.raises(ConfigError, match=f"^{name}=.*{value} is not a finite number$"):
+        checks.validate(cfg, 2)
+
+
+def test_the_walk_finds_the_float_fields():
+    names = set(_float_fields())
+    assert {"train.lr", "parallel.timeout_s", "balance.speeds", "model.mod.capacities", "noise.jitter"} <= names
+    assert "train.steps" not in names and "overwrite" not in names
+
+
+def test_bounds_read_as_intervals():
+    from dynmo.checks import require
+
+    require("a", 0.5, ge=0, lt=1)
+    for kwargs, rule in [({"ge": 0, "lt": 1}, "in [0, 1)"), ({"gt": 0, "le": 1}, "in (0, 1]"), ({"ge": 1}, ">= 1"),
+                         ({"gt": 0}, "> 0"), ({"le": 2}, "<= 2"), ({"lt": 2}, "< 2")]:
+        with pytest.raises(ConfigError, match=fr"^x=nan must be {re.escape(rule)} \(why\)$"):
+            require("x", float("nan"), **kwargs, why="why")
+
+
+def test_layer_names_without_torch_match_the_model():
+    from dynmo import plan
+    from dynmo.model.layers import layer_specs
+
+    for n in (1, 4, 12):
+        cfg = load_config(None, ["--model.n_layers", str(n)])
+        assert plan.layer_names(cfg) == [s.name for s in layer_specs(cfg.model)]

@@ -15,15 +15,20 @@ rank count fills both copies.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
+from dynmo import rundir
 from dynmo.config import Config, to_toml
-from dynmo.runtime import optim
+from dynmo.runtime import faults, optim, safeload
 from dynmo.runtime.pipeline import Pipeline
 
 
@@ -65,28 +70,111 @@ def _fill_tied_copy(pipe: Pipeline) -> None:
         pipe.optimizer.state[ph] = {k: v.clone() for k, v in pipe.optimizer.state[pe].items()}
 
 
-def save(pipe: Pipeline, path: Path, step: int, cfg: Config, cases: dict | None = None) -> None:
-    """Collective over the active ranks. `step` = number of steps already trained."""
-    path.mkdir(parents=True, exist_ok=True)
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (e.g. the disk is full); the message says which
+    complete checkpoint is left."""
+
+
+def save(pipe: Pipeline, path: Path, step: int, cfg: Config, cases: dict | None = None, keep: int = 0,
+         costs: list[float] | None = None) -> None:
+    """Collective over the active ranks. `step` = number of steps already trained.
+
+    Atomic: the shards and `dynmo.json` (last) go into a hidden temporary folder beside `path`,
+    which rank 0 renames into place once every rank has written, so a kill at any moment leaves
+    either the complete new checkpoint or none, and never a half-written `path`. A complete
+    checkpoint already at `path` is replaced only after the new one is complete. `keep` > 0
+    keeps that many newest complete checkpoints in the run folder and removes older ones.
+    `costs`: the per-layer costs the run measured last (the controller's forecast), stored so a
+    restart on another number of workers can lay the layers out before it measures anything.
+    """
+    group = pipe.ctx.active_group  # after a re-pack, the released ranks are gone
+    tmp = path.parent / f".{path.name}.tmp"
+    lead = dist.get_rank() == 0
+    if lead:
+        if tmp.exists():
+            shutil.rmtree(tmp)  # left by a job killed while saving
+        tmp.mkdir(parents=True)
+    dist.barrier(group=group)
     has_optim = any(pipe.optimizer.state.get(p) for layer in pipe.layers.values() for p in layer.parameters())
     flag = torch.tensor([1.0 if has_optim else 0.0])
-    group = pipe.ctx.active_group  # after a re-pack, the released ranks are gone
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    # Data-parallel replicas hold identical copies; DCP writes each key once.
-    dcp.save(_state_dict(pipe, with_optim=True), checkpoint_id=str(path), process_group=group)
-    if dist.get_rank() == 0:
-        meta = {
-            "step": step,
-            "model": cfg.to_dict()["model"],
-            "layout": list(pipe.layout.boundaries),
-            "layer_names": [s.name for s in pipe.specs],
-            "has_optimizer_state": bool(flag.item()),
-            "seed": cfg.train.seed,
-            "cases": cases or {},  # the dynamic-model cases' own state (dynmo.dynamics.case)
-        }
-        (path / "dynmo.json").write_text(json.dumps(meta, indent=2) + "\n")
-        (path / "config.toml").write_text(to_toml(cfg))
+    sd: dict[str, torch.Tensor] = {}
+    try:
+        # Data-parallel replicas hold identical copies; DCP writes each key once and fsyncs its files.
+        sd = _state_dict(pipe, with_optim=True)
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True),
+                 process_group=group)
+        faults.point("checkpoint", step)
+        if lead:
+            meta = {
+                "step": step,
+                "model": cfg.to_dict()["model"],
+                "layout": list(pipe.layout.boundaries),
+                "layer_names": [s.name for s in pipe.specs],
+                "has_optimizer_state": bool(flag.item()),
+                "seed": cfg.train.seed,
+                "cases": cases or {},  # the dynamic-model cases' own state (dynmo.dynamics.case)
+                "layer_costs": costs,
+            }
+            _write_synced(tmp / "config.toml", to_toml(cfg))
+            _write_synced(tmp / "dynmo.json", json.dumps(meta, indent=2) + "\n")  # the completion marker: last
+            _put_in_place(tmp, path)
+            if keep > 0:
+                for old in rundir.complete_checkpoints(path.parent)[:-keep]:
+                    shutil.rmtree(old, ignore_errors=True)
+    except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
+        free = shutil.disk_usage(path.parent).free  # before the clean-up below gives space back
+        if lead:
+            shutil.rmtree(tmp, ignore_errors=True)  # frees what it took; it was never complete
+        latest = rundir.latest_checkpoint(path.parent)
+        left = f"the last complete checkpoint is {latest}" if latest else "no complete checkpoint exists yet"
+        if _is_disk_full(e) or free < sum(t.numel() * t.element_size() for t in sd.values()):
+            # torch's file writer reports a full disk as a short write, not always as ENOSPC
+            raise CheckpointWriteError(f"no space left on device while writing {path} ({free / 1e6:.1f} MB free); "
+                                       f"{left}") from e
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise CheckpointWriteError(f"cannot write {path}: {first}; {left}") from e
     dist.barrier(group=group)
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _put_in_place(tmp: Path, path: Path) -> None:
+    """Rename the finished `tmp` to `path`; an older checkpoint of that name is moved aside
+    first and removed only once the new one is in place."""
+    aside = path.parent / f".{path.name}.old"
+    if aside.exists():
+        shutil.rmtree(aside)
+    if path.exists():
+        os.rename(path, aside)
+    os.rename(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the renames themselves survive a power loss
+    finally:
+        os.close(fd)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _is_disk_full(e: BaseException) -> bool:
+    """ENOSPC anywhere in the exception, its causes, or DCP's per-rank failures."""
+    seen: set[int] = set()
+    todo = [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if getattr(x, "errno", None) == errno.ENOSPC or "No space left on device" in str(x):
+            return True
+        failures = getattr(x, "failures", None) or {}  # DCP: rank -> (exception, traceback)
+        todo += [x.__cause__, x.__context__, *(f[0] if isinstance(f, tuple) else f for f in failures.values())]
+    return False
 
 
 def read_meta(path: Path) -> dict:
@@ -102,7 +190,7 @@ def load(pipe: Pipeline, path: Path) -> int:
     if tied != pipe.cfg.model.tie_embeddings:
         raise ValueError(f"checkpoint {path} was saved with model.tie_embeddings = {str(tied).lower()}; "
                          f"resume with model.tie_embeddings = {str(tied).lower()}")
-    if meta["has_optimizer_state"]:
+    if meta.get("has_optimizer_state", True):
         # AdamW state appears at the first step; allocate it so DCP can load in place.
         for layer in pipe.layers.values():
             for p in layer.parameters():
@@ -113,8 +201,8 @@ def load(pipe: Pipeline, path: Path) -> int:
                     "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
                     "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
                 }
-    sd = _state_dict(pipe, with_optim=meta["has_optimizer_state"])
+    sd = _state_dict(pipe, with_optim=meta.get("has_optimizer_state", True))
     # state_dict() tensors share storage with the parameters: DCP loads into them in place.
-    dcp.load(sd, checkpoint_id=str(path))
+    safeload.load(sd, path)  # reads no pickle that could run code (docs/checkpoints.md)
     _fill_tied_copy(pipe)
     return int(meta["step"])

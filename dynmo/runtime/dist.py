@@ -83,8 +83,12 @@ def choose_backend(requested: str) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init(dp: int, pp: int, backend: str = "auto") -> DistContext:
-    """Join the torchrun job and build the (dp, pp) mesh. Rank r is replica r // pp, stage r % pp."""
+def init(dp: int, pp: int, backend: str = "auto", timeout_s: float = 300.0) -> DistContext:
+    """Join the torchrun job and build the (dp, pp) mesh. Rank r is replica r // pp, stage r % pp.
+
+    `timeout_s` bounds how long any collective or point-to-point operation waits for a peer
+    (`parallel.timeout_s`): a hung or dead peer fails the job after it, not after torch's
+    default of ten or thirty minutes."""
     if "RANK" not in os.environ:
         raise RuntimeError(
             "dynmo.train runs under torchrun; use `dynmo train --nproc N ...` or "
@@ -98,7 +102,14 @@ def init(dp: int, pp: int, backend: str = "auto") -> DistContext:
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=10))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        # Groups made later (the mesh's, a re-pack's, the tied embedding's) take torch's module
+        # default, not the world's timeout: make the default ours so every group bounds its waits.
+        c10d = dist.distributed_c10d
+        c10d.default_pg_timeout = timeout
+        if getattr(c10d, "default_pg_nccl_timeout", None) is not None:
+            c10d.default_pg_nccl_timeout = timeout
+        dist.init_process_group(backend=backend, timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     if dp * pp != world:
         raise RuntimeError(f"parallel.dp={dp} x parallel.pp={pp} = {dp * pp} ranks, but torchrun started {world}")

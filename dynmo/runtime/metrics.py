@@ -6,24 +6,45 @@ metrics.jsonl holds one JSON object per step; see docs/metrics.md for every fiel
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 from dynmo.record import StepRecord
 
 
+def _truncate_from(path: Path, step: int) -> None:
+    """Keep the rows of steps before `step` (a resumed run writes the later ones again); the
+    file is replaced in one rename, so a kill leaves either the old rows or the kept ones."""
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a kill
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] < step:
+            kept.append(line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+
+
 class MetricsLog:
     def __init__(self, out: Path, total_steps: int, start_step: int, tensorboard: bool, progress: bool, every: int):
         self.out = out
         out.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(out / "metrics.jsonl", "a" if start_step else "w")
+        path = out / "metrics.jsonl"
+        if start_step and path.exists():
+            _truncate_from(path, start_step)
+        self.jsonl = open(path, "a" if start_step else "w")
         self.every = max(1, every)
         self.tb = None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(str(out / "tb"))
+                # a resumed run drops the events of steps it trains again
+                self.tb = SummaryWriter(str(out / "tb"), purge_step=start_step or None)
             except Exception as e:  # tensorboard missing or broken: keep training, say so once
                 print(f"dynmo: tensorboard disabled ({e})", file=sys.stderr)
         self.bar = None

@@ -23,7 +23,7 @@ from dynmo.layout import Layout, LayoutError
 from dynmo.model.gpt import loss_fn
 from dynmo.model.hf import HFReader, load_layer
 from dynmo.model.layers import LayerSpec, build_layer, empty_layer, layer_specs
-from dynmo.runtime import optim
+from dynmo.runtime import faults, optim
 from dynmo.runtime.dist import DistContext
 from dynmo.runtime.memory import PeakMemory
 from dynmo.runtime.schedules import schedule_class
@@ -310,6 +310,7 @@ class Pipeline:
             if me == src:
                 send_packet(self._pack_layer(i, states.pop(i)), dst, group, dev)
                 del self.layers[i]
+                faults.point("migration")
             elif me == dst:
                 pkt = recv_packet(src, group, dev)
                 report.bytes += pkt.nbytes  # counted where received: a released sender leaves
