@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from dynmo.sim import (
@@ -188,3 +189,56 @@ def test_gpipe_rendezvous_transfers_do_not_overlap_the_receivers_previous_op(m, 
     eager = simulate([TF, TF], [TB, TB], "GPipe", m, comm=c)
     assert eager.iteration_time == pytest.approx((m + 1) * (TF + TB) + 2 * c)
     assert predict_iteration_time([TF, TF], [TB, TB], "GPipe", m, comm=c, p2p="rendezvous") == r.iteration_time
+
+
+# ---- injected link delay ------------------------------------------------------------------
+
+# iteration and balanced-iteration times of the engine before link delays existed (float.hex),
+# for seeded random pipelines with per-link transfer times
+BEFORE_LINK_DELAY = {
+    ("1F1B", "eager"): ("0x1.59814244e4a38p-2", "0x1.288a66e9ba33cp-2"),
+    ("1F1B", "rendezvous"): ("0x1.5e8e83f67df35p-2", "0x1.2b401245dcfc2p-2"),
+    ("GPipe", "eager"): ("0x1.a55b94f5f9047p-3", "0x1.85dc7d83560d1p-3"),
+    ("GPipe", "rendezvous"): ("0x1.b3c60d7cc84abp-3", "0x1.911bca94ffaa1p-3"),
+    ("Interleaved1F1B", "eager"): ("0x1.12f702bc49e73p-2", "0x1.fe0a009f6538ap-3"),
+    ("Interleaved1F1B", "rendezvous"): ("0x1.26ce5b0631df8p-2", "0x1.11e3f0da22faap-2"),
+    ("ZBVZeroBubble", "eager"): ("0x1.7509613c31002p-3", "0x1.2fe11c318ccf7p-3"),
+    ("ZBVZeroBubble", "rendezvous"): ("0x1.886ac9c62fbc2p-3", "0x1.4014539a006c9p-3"),
+}
+
+
+def test_zero_link_delay_is_bitwise_the_engine_without_it():
+    rng = np.random.default_rng(2024)
+    for schedule, p, v, m in [("1F1B", 4, 1, 6), ("GPipe", 3, 1, 5), ("Interleaved1F1B", 2, 2, 4),
+                              ("ZBVZeroBubble", 2, 2, 3)]:
+        S = p * v
+        f = rng.uniform(0.001, 0.02, (S, m))
+        b = rng.uniform(0.002, 0.04, (S, m))
+        comm = rng.uniform(0, 0.003, S - 1).tolist()
+        for p2p in ("eager", "rendezvous"):
+            want = BEFORE_LINK_DELAY[(schedule, p2p)]
+            for delay in (None, 0.0, [0.0] * (S - 1)):
+                r = simulate(f, b, schedule, m, comm=comm, link_delay=delay, stages_per_rank=v, p2p=p2p)
+                assert (r.iteration_time.hex(), r.balanced_iteration_time.hex()) == want, (schedule, p2p, delay)
+
+
+@pytest.mark.parametrize("p2p", ["eager", "rendezvous"])
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
+def test_link_delay_on_the_critical_path_two_stages_one_microbatch(schedule, p2p):
+    """One microbatch through 2 stages is one chain: F0, the activation over the link, F1, B1,
+    the gradient back over the link, B0. A delay d on the link adds exactly 2d."""
+    f, b, c, d = [0.010, 0.012], [0.020, 0.030], 0.001, 0.004
+    base = simulate(f, b, schedule, 1, comm=c, p2p=p2p).iteration_time
+    slow = simulate(f, b, schedule, 1, comm=c, link_delay=[d], p2p=p2p).iteration_time
+    assert base == pytest.approx(sum(f) + sum(b) + 2 * c, rel=1e-12)
+    assert slow == pytest.approx(sum(f) + sum(b) + 2 * (c + d), rel=1e-12)
+    assert slow - base >= 2 * d - 1e-12
+    assert predict_iteration_time(f, b, schedule, 1, comm=c, link_delay=d, p2p=p2p) == slow
+
+
+def test_link_delay_adds_to_both_directions_of_its_link_only():
+    t = StageTimes.build([1.0] * 3, [2.0] * 3, 2, comm={"fwd": [0.1, 0.2], "bwd": 0.3}, link_delay=[0.0, 0.5])
+    assert t.comm_fwd.tolist() == [0.1, 0.7] and t.comm_bwd.tolist() == [0.3, 0.8]
+    for bad in ([0.1], [0.1, -0.1], [0.1, float("nan")]):
+        with pytest.raises(SimInputError, match="link_delay"):
+            StageTimes.build([1.0] * 3, [2.0] * 3, 2, link_delay=bad)

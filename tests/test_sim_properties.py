@@ -125,3 +125,22 @@ def test_trace_respects_dependencies(case):
             assert span[f"{s}{bk}{k}"][0] >= span[f"{s}F{k}"][1] - 1e-9
             if plan.split_backward:
                 assert span[f"{s}W{k}"][0] >= span[f"{s}I{k}"][1] - 1e-9
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pipelines(), st.integers(0, 2**31), st.sampled_from(["eager", "rendezvous"]))
+def test_link_delay_is_added_to_both_directions_of_its_link(case, seed, p2p):
+    """A delay d_j on link j is the same as d_j more transfer time on it, activation and
+    gradient alike; it never makes the iteration faster."""
+    plan, times, mode = case
+    S = plan.num_stages
+    d = np.random.default_rng(seed).uniform(0.0, 1.0, max(S - 1, 0))
+    delayed = StageTimes.build(times.fwd, times.bwd, wgrad=times.wgrad, allreduce=times.allreduce,
+                               comm={"fwd": times.comm_fwd, "bwd": times.comm_bwd}, link_delay=d)
+    moved = StageTimes.build(times.fwd, times.bwd, wgrad=times.wgrad, allreduce=times.allreduce,
+                             comm={"fwd": times.comm_fwd + d, "bwd": times.comm_bwd + d})
+    a = simulate_plan(plan, delayed, allreduce_mode=mode, p2p=p2p, split_bubble=False).iteration_time
+    b = simulate_plan(plan, moved, allreduce_mode=mode, p2p=p2p, split_bubble=False).iteration_time
+    base = simulate_plan(plan, times, allreduce_mode=mode, p2p=p2p, split_bubble=False).iteration_time
+    assert a == b
+    assert a >= base - 1e-9

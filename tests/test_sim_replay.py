@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import json
+from itertools import combinations
 
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from dynmo.balance import Problem
 from dynmo.cli import main as dynmo_main
+from dynmo.controller import step_time
 from dynmo.layout import Layout
 from dynmo.sim import simulate, stage_times
 from dynmo.sim.engine import SimInputError
-from dynmo.sim.replay import DEFAULT_POLICIES, ReplayOptions, default_policies, parse_policy, replay, replay_balance
+from dynmo.sim.replay import (
+    DEFAULT_POLICIES, LINK_DELAY_FACTORS, STATIC, ReplayOptions, default_policies, link_delay_table, parse_policy,
+    profile_once_layout, replay, replay_balance, replay_link_delays, summary_table,
+)
 from dynmo.sim.trace import Trace, TraceHeader, TraceStep, TraceWriter
 from tests.conftest import param_counts
 
@@ -229,3 +235,210 @@ def test_the_controller_sees_the_recorded_cost():
         s.cost = [0.01] * 8  # ... the typical microbatch says nothing changed
     (kept,) = replay(t, 2, 1, ["optimal"], ReplayOptions(**FREE))
     assert kept.migrations == 0 and kept.layouts[-1] == [0, 4, 8]
+
+
+# ---- profile-once, the best static layout, per-worker figures ------------------------------
+
+
+def brute_force_bottleneck(costs: np.ndarray, stages: int, transfer: np.ndarray) -> float:
+    """The smallest max stage load over every contiguous layout (load = layer costs + the
+    stage's outgoing link time)."""
+    n = len(costs)
+    best = np.inf
+    for cuts in combinations(range(1, n), stages - 1):
+        b = (0, *cuts, n)
+        best = min(best, max(costs[b[j]:b[j + 1]].sum() + transfer[j] for j in range(stages)))
+    return best
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(2, 4), st.integers(4, 9), st.integers(1, 6), st.integers(1, 9),
+       st.sampled_from([None, "measure", "free"]), st.integers(0, 2**31))
+def test_profile_once_is_the_optimal_layout_of_the_median_early_costs(stages, n, profile, steps, links, seed):
+    rng = np.random.default_rng(seed)
+    n = max(n, stages)
+    costs = rng.uniform(0.1, 2.0, (steps, n)) * 0.01
+    t = make_trace(costs, microbatches=2)
+    delay = None if links is None else rng.uniform(0.0, 0.01, stages - 1).tolist()
+    comm = 0.0 if links is None else 0.002
+    opts = ReplayOptions(profile_steps=profile, link_delay=delay, comm=comm,
+                         balance=replay_balance(links=links or "measure"), **FREE)
+    (r,) = replay(t, stages, 1, ["profile-once"], opts)
+    # the median per layer of steps 1 .. profile (step 0 is the warm-up; it is used only when alone)
+    early = t.costs()[1:1 + profile] if steps > 1 else t.costs()[:1]
+    med = np.median(early, axis=0)
+    transfer = np.zeros(stages)
+    if links == "measure":
+        transfer[:-1] = 2 * (comm + np.asarray(delay))
+    lay = Layout(tuple(r.layouts[0]))
+    got = max(np.add.reduceat(med, np.asarray(lay.boundaries[:-1])) + transfer)
+    assert got <= brute_force_bottleneck(med, stages, transfer) * (1 + 1e-9)
+    # never changed, never charged
+    assert all(b == r.layouts[0] for b in r.layouts) and len(r.layouts) == steps
+    assert r.migrations == 0 and r.migration_s == 0 and not any(r.overhead_s)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(2, 5), st.integers(5, 14), st.integers(0, 2**31))
+def test_profile_once_never_loses_to_uniform_on_constant_costs_in_the_model(stages, n, seed):
+    """Constant costs: profile-once's stages are never more loaded than uniform's, so the
+    controller's step-time model never predicts it slower."""
+    rng = np.random.default_rng(seed)
+    costs = np.tile(rng.uniform(0.1, 3.0, n), (4, 1)) * 0.01
+    t = make_trace(costs)
+    uni, po = replay(t, stages, 1, ["uniform", "profile-once"], ReplayOptions(**FREE))
+    for k in range(4):
+        assert po.bottleneck_s[k] <= uni.bottleneck_s[k] * (1 + 1e-9)
+        assert step_time(po.stage_loads[k], 4) <= step_time(uni.stage_loads[k], 4) * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_profile_once_total_time_is_at_most_uniform_on_constant_costs(schedule):
+    costs = np.ones((6, 12)) * 0.01
+    costs[:, 1:4] *= 3  # a heavy region that the uniform layout puts on the first stage
+    t = make_trace(costs, schedule=schedule, microbatches=6)
+    uni, po = replay(t, 3, 1, ["uniform", "profile-once"], ReplayOptions(**FREE))
+    assert po.layouts[0] != uni.layouts[0]
+    assert po.total_s <= uni.total_s
+    assert po.speedup_vs_best_static == 1.0 and po.best_static == "profile-once"
+
+
+def test_speedup_vs_best_static():
+    rng = np.random.default_rng(7)
+    t = make_trace(drifting(rng, 10, 12))
+    res = replay(t, 3, 2, None, ReplayOptions(**FREE))
+    by = {r.policy: r for r in res}
+    assert set(STATIC) <= set(by) and "profile-once" in DEFAULT_POLICIES
+    best = by[res[0].best_static]
+    assert best.total_s == min(by[s].total_s for s in STATIC)
+    assert best.speedup_vs_best_static == 1.0
+    for r in res:
+        assert r.best_static == best.policy
+        assert r.speedup_vs_best_static == pytest.approx(best.total_s / r.total_s, rel=1e-12)
+        assert r.speedup_vs_best_static <= r.speedup * (1 + 1e-12)  # the best static is at least as fast as uniform
+        d = r.as_dict(per_step=False)
+        assert d["speedup_vs_best_static"] == r.speedup_vs_best_static and d["best_static"] == best.policy
+    # asked alone, the static policies are replayed for the comparison but not returned
+    (alone,) = replay(t, 3, 2, ["optimal"], ReplayOptions(**FREE))
+    assert alone.best_static == best.policy
+    assert alone.speedup_vs_best_static == by["optimal"].speedup_vs_best_static
+    assert "vs best" in summary_table(res) and f"best static layout ({best.policy}" in summary_table(res)
+
+
+def test_repack_shows_as_fewer_worker_seconds_per_token():
+    costs = np.ones((8, 12)) * 0.01
+    costs[3:, 2:] *= 0.05
+    costs[3:, 1] *= 3
+    t = make_trace(costs, dynamism=(3,))
+    opts = ReplayOptions(balance=replay_balance(when="dynamism", repack_tolerance=0.05), link_delay=[0.001] * 3, **FREE)
+    plain, packed = replay(t, 4, 2, ["optimal", "optimal+repack"], opts)
+    assert packed.workers[-1] < plain.workers[-1] == 8
+    assert packed.worker_s < plain.worker_s
+    for r in (plain, packed):
+        d = r.as_dict(per_step=False)
+        assert d["worker_s"] == r.worker_s
+        assert d["tokens_per_s_per_worker"] == pytest.approx(r.tokens_per_step * r.steps / r.worker_s, rel=1e-12)
+        assert d["workers_final"] == r.workers_final
+    assert packed.tokens_per_s_per_worker / plain.tokens_per_s_per_worker == pytest.approx(
+        packed.speedup_per_worker / plain.speedup_per_worker, rel=1e-12)
+    table = summary_table([plain, packed])
+    assert "worker-s" in table and "tok/s/wkr" in table and f"{packed.worker_s:.1f}" in table
+    # without token counts: steps per worker-second
+    (r,) = replay(make_trace(costs, tokens=False), 4, 2, ["optimal"], ReplayOptions(**FREE))
+    assert r.tokens_per_s_per_worker is None and r.as_dict()["steps_per_worker_s"] == pytest.approx(r.steps / r.worker_s)
+    assert "steps/wkr-s" in summary_table([r])
+
+
+# ---- link delay: the paper's network experiment ---------------------------------------------
+
+
+def test_zero_link_delay_replays_bitwise_as_without_it():
+    rng = np.random.default_rng(11)
+    t = make_trace(drifting(rng, 8, 12))
+    for comm in (0.0, 0.002):
+        base = replay(t, 4, 1, None, ReplayOptions(comm=comm, **FREE))
+        zero = replay(t, 4, 1, None, ReplayOptions(comm=comm, link_delay=[0.0] * 3, **FREE))
+        for a, b in zip(base, zero):
+            assert a.iteration_s == b.iteration_s and a.layouts == b.layouts and a.total_s == b.total_s
+    # no link time at all: link-aware and compute-only balancing are the same
+    aware = replay(t, 4, 1, None, ReplayOptions(**FREE))
+    free = replay(t, 4, 1, None, ReplayOptions(balance=replay_balance(links="free"), **FREE))
+    for a, b in zip(aware, free):
+        assert a.iteration_s == b.iteration_s and a.layouts == b.layouts
+
+
+def test_link_delay_adds_its_transfers_on_the_critical_path():
+    """2 stages, 1 microbatch: F0, activation over link 0, F1, B1, gradient back, B0 -- the
+    delay is paid twice per step."""
+    costs = np.array([[0.01, 0.02, 0.03, 0.04]] * 3)
+    t = make_trace(costs, microbatches=1)
+    d = 0.005
+    (a,) = replay(t, 2, 1, ["uniform"], ReplayOptions(comm=0.001, **FREE))
+    (b,) = replay(t, 2, 1, ["uniform"], ReplayOptions(comm=0.001, link_delay=[d], **FREE))
+    for k in range(3):
+        assert b.iteration_s[k] - a.iteration_s[k] >= 2 * d - 1e-12
+        assert b.iteration_s[k] == pytest.approx(costs[k].sum() + 2 * (0.001 + d), rel=1e-12)
+
+
+def test_the_controller_sees_the_link_times_the_engine_charges():
+    """Constant costs, a slow link 0: with links = measure the dynamic optimal, profile-once and
+    the oracle all settle on the layout that is optimal with each link's per-microbatch time,
+    2 x (comm + delay), charged to its sending stage; with links = free on the compute-only one."""
+    costs = np.ones((6, 12)) * 0.01
+    t = make_trace(costs)
+    comm, delay = 0.001, [0.02, 0.0]
+    every = dict(when="every", every=1, window=1, min_gain=0.0)
+    want = {"measure": profile_once_layout(costs[0], 3, [2 * (comm + delay[0]), 2 * comm]),
+            "free": profile_once_layout(costs[0], 3, None)}
+    assert want["measure"].boundaries[1] < want["free"].boundaries[1]
+    for links in ("measure", "free"):
+        opts = ReplayOptions(comm=comm, link_delay=delay, balance=replay_balance(links=links, **every), **FREE)
+        dyn, po, orc = replay(t, 3, 1, ["optimal", "profile-once", "oracle"], opts)
+        assert dyn.layouts[-1] == po.layouts[0] == orc.layouts[0] == list(want[links].boundaries)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 6), st.integers(6, 30), st.integers(1, 16), st.integers(0, 2**31))
+def test_link_aware_optimal_never_loses_to_compute_only_in_the_model(stages, n, m, seed):
+    rng = np.random.default_rng(seed)
+    costs = rng.uniform(0.0, 1.0, n) * 0.01
+    transfer = (rng.uniform(0.0, 0.02, stages - 1) * rng.integers(0, 2, stages - 1)).tolist()
+    aware = profile_once_layout(costs, stages, transfer)
+    free = profile_once_layout(costs, stages, None)
+    model = Problem(costs=costs.tolist(), stages=stages, transfer=transfer)
+    la, lf = model.loads_of_assignment(aware.owner()), model.loads_of_assignment(free.owner())
+    assert max(la) <= max(lf) * (1 + 1e-9)
+    assert step_time(la, m) <= step_time(lf, m) * (1 + 1e-9)
+
+
+def test_replay_link_delays_rows(tmp_path):
+    rng = np.random.default_rng(5)
+    t = make_trace(drifting(rng, 6, 10))
+    rows = replay_link_delays(t, 0.004, stages=3, dp=1, links=[0], options=ReplayOptions(**FREE))
+    assert len(rows) == len(LINK_DELAY_FACTORS) * 2 * 3
+    assert {(r["factor"], r["links"]) for r in rows} == {(f, m) for f in LINK_DELAY_FACTORS for m in ("measure", "free")}
+    by = {(r["factor"], r["links"], r["policy"]): r for r in rows}
+    for f in LINK_DELAY_FACTORS:
+        assert by[(f, "measure", "uniform")]["total_s"] == by[(f, "free", "uniform")]["total_s"]
+        assert by[(f, "measure", "uniform")]["delay_s"] == f * 0.004
+    for p in ("uniform", "profile-once", "optimal"):  # no delay, no link time: the same replay
+        assert by[(0.0, "measure", p)]["total_s"] == by[(0.0, "free", p)]["total_s"]
+    uni = [by[(f, "free", "uniform")]["mean_iteration_s"] for f in LINK_DELAY_FACTORS]
+    assert uni == sorted(uni) and uni[-1] > uni[0]
+    table = link_delay_table(rows)
+    assert table.count("\n") == 1 + len(LINK_DELAY_FACTORS) * 3 and "| 4 | 0.016 | optimal |" in table
+    with pytest.raises(SimInputError, match="links are indices"):
+        replay_link_delays(t, 0.004, stages=3, links=[2])
+    from dynmo.sim.plots import write_link_delay_plot
+
+    assert write_link_delay_plot(rows, tmp_path / "link_delay.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bad_link_delay_and_profile_steps():
+    t = make_trace(np.ones((3, 6)) * 0.01)
+    with pytest.raises(SimInputError, match="link_delay needs one value per link"):
+        replay(t, 3, 1, ["uniform"], ReplayOptions(link_delay=[0.1]))
+    with pytest.raises(SimInputError, match="link_delay must be"):
+        replay(t, 3, 1, ["uniform"], ReplayOptions(link_delay=[0.1, -1.0]))
+    with pytest.raises(SimInputError, match="profile_steps"):
+        replay(t, 3, 1, ["uniform"], ReplayOptions(profile_steps=0))

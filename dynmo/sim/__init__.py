@@ -6,6 +6,9 @@
     from dynmo.sim import load_trace, scale_trace
     from dynmo.sim.replay import replay
     replay(scale_trace(load_trace("runs/skewed"), 48), stages=24, dp=30)   # -> [PolicyResult]
+    # static (uniform, params, profile-once), dynamic and oracle policies; each result carries its
+    # speedup over uniform and over the best static layout, worker-seconds and per-worker throughput;
+    # replay_link_delays(...) runs the injected link-delay experiment
 
 See docs/simulator.md for the model, its assumptions and the JSON formats.
 """

@@ -4,12 +4,13 @@ Pure (numpy only). The model, in one paragraph: every pipeline rank executes its
 ops (`schedules.build_plan`) in order, one at a time. An op starts when its rank is free
 and its input has arrived: F(s, k) needs the output of F(s-1, k); B or I(s, k) needs the
 gradient from B or I(s+1, k) (on the last stage: its own F(s, k)); W(s, k) needs I(s, k).
-A tensor crossing from one rank to another takes the link's transfer time after the
-producing op ends; each directed rank pair carries one transfer at a time, in the sender's
-order (gloo uses one connection per pair). Stages on the same rank hand over for free.
-Sends never block the sender. With data parallelism (D identical replicas) each stage's
-gradient all-reduce starts after its last B or W; by default it runs on a separate
-communication channel per rank (overlapping later compute, one all-reduce at a time);
+A tensor crossing from one rank to another takes the link's transfer time (comm, plus any
+injected `link_delay` on that link) after the producing op ends; each directed rank pair
+carries one transfer at a time, in the sender's order (gloo uses one connection per pair).
+Stages on the same rank hand over for free. Sends never block the sender. With data
+parallelism (D identical replicas) each stage's gradient all-reduce starts after its last B
+or W; by default it runs on a separate communication channel per rank (overlapping later
+compute, one all-reduce at a time);
 `allreduce_mode="blocking"` instead runs it inline where torch places REDUCE_GRAD.
 
 Identical replicas run identical timelines, so one replica is simulated and the
@@ -72,6 +73,7 @@ class StageTimes:
         wgrad=None,
         comm=0.0,
         allreduce=0.0,
+        link_delay=None,
     ) -> "StageTimes":
         """Normalize user input.
 
@@ -79,7 +81,10 @@ class StageTimes:
         microbatch. wgrad defaults to half of bwd (the zero-bubble paper's rough split);
         it only matters for the zero-bubble schedules. comm: a number for every link, a
         list of stages-1 link times, or {"fwd": ..., "bwd": ...} with either of those.
-        allreduce: a number or one per stage.
+        allreduce: a number or one per stage. link_delay: extra seconds added to every
+        transfer on a link, activation and gradient alike (a delay injected on the network
+        between stage j and j+1): a number for every link or a list of stages-1; None or 0
+        leaves the transfer times exactly as `comm` gives them.
         """
         f = _per_stage_mb(fwd, "fwd", None, microbatches)
         s, m = f.shape
@@ -96,6 +101,10 @@ class StageTimes:
             cb = _per_link(comm.get("bwd", 0.0), "comm.bwd", s)
         else:
             cf = cb = _per_link(comm, "comm", s)
+        if link_delay is not None:
+            d = _per_link(link_delay, "link_delay", s)
+            if np.any(d > 0):
+                cf, cb = cf + d, cb + d
         ar = _per_stage(allreduce, "allreduce", s)
         return cls(f, b, w, cf, cb, ar)
 
@@ -394,6 +403,7 @@ def simulate(
     *,
     wgrad=None,
     comm=0.0,
+    link_delay=None,
     stages_per_rank: int | None = None,
     dp: int = 1,
     allreduce=None,
@@ -408,7 +418,9 @@ def simulate(
     """Simulate one training iteration of `schedule` and report time and bubbles.
 
     fwd, bwd (and wgrad): per stage (a number, or a list per microbatch), seconds. The
-    pipeline has len(fwd) stages on len(fwd) / stages_per_rank ranks. Gradient all-reduce
+    pipeline has len(fwd) stages on len(fwd) / stages_per_rank ranks. comm: transfer time
+    per link (see `StageTimes.build`); link_delay: extra seconds per transfer on each link
+    between stage j and j+1 (a number or stages-1 of them). Gradient all-reduce
     across `dp` replicas: explicit per-stage seconds `allreduce`, or `grad_bytes` per stage
     with `bandwidth` (bytes/s) and `latency` for a ring all-reduce.
     """
@@ -425,7 +437,7 @@ def simulate(
         if bandwidth is None:
             raise SimInputError("grad_bytes needs bandwidth (bytes/s) for the ring all-reduce model")
         ar = ring_allreduce_time(grad_bytes, dp, bandwidth, latency)
-    times = StageTimes.build(fwd, bwd, microbatches, wgrad=wgrad, comm=comm, allreduce=ar)
+    times = StageTimes.build(fwd, bwd, microbatches, wgrad=wgrad, comm=comm, allreduce=ar, link_delay=link_delay)
 
     v = default_stages_per_rank(name) if stages_per_rank is None else int(stages_per_rank)
     if times.num_stages % v != 0:
@@ -495,6 +507,7 @@ def predict_iteration_time(
     *,
     wgrad: Sequence | None = None,
     comm=0.0,
+    link_delay=None,
     stages_per_rank: int | None = None,
     p2p: str = "eager",
 ) -> float:
@@ -506,7 +519,7 @@ def predict_iteration_time(
     step time. Data parallel all-reduce is not included (dp=1). `p2p` picks the transfer
     model (see `execute`); with comm=0 both give the same answer.
     """
-    return simulate(fwd, bwd, schedule, microbatches, wgrad=wgrad, comm=comm,
+    return simulate(fwd, bwd, schedule, microbatches, wgrad=wgrad, comm=comm, link_delay=link_delay,
                     stages_per_rank=stages_per_rank, p2p=p2p, split_bubble=False).iteration_time
 
 

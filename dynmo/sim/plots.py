@@ -5,6 +5,10 @@
       bubble.png        bubble ratio per step, one line per policy
       layout.png        per policy: the stage boundaries (layer index) over the steps
       iteration.png     simulated step time (+ migration and decide time) per policy
+
+    write_link_delay_plot(replay_link_delays(...), "plots/link_delay.png")
+      mean step time per policy against the injected link delay, link-aware (solid) and
+      compute-only (dashed) balancing
 """
 
 from __future__ import annotations
@@ -102,6 +106,30 @@ def write_plots(results: Sequence[PolicyResult], out_dir: str | Path, title: str
     ax.grid(alpha=0.3)
     paths.append(_save(fig, out / "iteration.png", plt))
     return paths
+
+
+def write_link_delay_plot(rows: Sequence[dict], path: str | Path, title: str = "") -> Path:
+    """Rows of `dynmo.sim.replay.replay_link_delays`: mean simulated step time against the
+    delay factor, one colour per policy, solid with link-aware and dashed with compute-only
+    balancing."""
+    plt = _plt()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    for i, p in enumerate(policies):
+        for mode, style in (("measure", "-"), ("free", "--")):
+            pts = sorted((r["factor"], r["mean_iteration_s"]) for r in rows if r["policy"] == p and r["links"] == mode)
+            if pts:
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, style, marker="o", color=f"C{i}", lw=1.2,
+                        label=f"{p} ({'link-aware' if mode == 'measure' else 'compute-only'})")
+    ax.set_xlabel("injected link delay (x base per transfer)")
+    ax.set_ylabel("mean simulated step time (s)")
+    ax.set_title(f"Link delay{': ' + title if title else ''}", fontsize=10)
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+    return _save(fig, path, plt)
 
 
 def _save(fig, path: Path, plt) -> Path:

@@ -2,7 +2,7 @@
 
     from dynmo.sim.replay import replay, ReplayOptions
     results = replay(trace, stages=24, dp=30, policies=["uniform", "optimal", "optimal+repack", "oracle"])
-    for r in results: r.policy, r.steps_per_s, r.speedup, r.mean_bubble, r.workers_final
+    for r in results: r.policy, r.steps_per_s, r.speedup, r.speedup_vs_best_static, r.workers_final
 
 Per traced step k the costs c_i(k) (forward and backward seconds per microbatch of every layer)
 are summed over each stage of the policy's layout, and the event-driven engine runs one
@@ -10,6 +10,10 @@ iteration of the schedule with them. Policies:
 
   uniform, params      static: equal layers per stage (Megatron) / DeepSpeed's partition of
                        the parameter counts, kept for the whole run;
+  profile-once         static: what a careful user picks by profiling once -- the optimal
+                       contiguous layout of the per-layer median of the costs the profiler
+                       measured on steps 1 .. profile_steps (step 0 warms up), with the link
+                       times the dynamic policies see; never changed;
   <balancer>           dynamic: `dynmo.loop.DynmoLoop` (the object the trainer drives, built
                        from the same `[balance]` config) observes each step's costs after the
                        step and decides before the next one with that balancer (optimal, deepspeed fed times,
@@ -20,8 +24,25 @@ iteration of the schedule with them. Policies:
                        layers onto the fewest stages whose optimal bottleneck stays within the
                        tolerance; released workers never return; optionally the microbatch
                        count is re-tuned for the shorter pipeline (balance.retune_microbatches);
-  oracle               per step the optimal contiguous layout for that step's own costs, with
-                       no migration or decide cost: the oracle bound.
+  oracle               per step the optimal contiguous layout for that step's own costs (and
+                       the link times the dynamic policies see), with no migration or decide
+                       cost: the oracle bound.
+
+Every result carries its speedup over static uniform (`speedup`) and over the best static
+layout a careful user could pick (`speedup_vs_best_static`: the fastest total time among
+uniform, params and profile-once, replayed for the comparison when not asked for), and its
+cost in worker-seconds (`worker_s`, per-worker throughput): re-packing shows as the same
+training on fewer workers.
+
+Links. `ReplayOptions.comm` is the transfer time of an activation (and of its gradient) on
+every link between neighbouring stages, `ReplayOptions.link_delay[j]` an extra delay per
+transfer on link j (stage j <-> j+1), as the paper's network experiment injects; the engine
+adds it to that link's transfers. With `balance.links = "measure"` (the runtime's default)
+the controller, profile-once and the oracle see each link's per-microbatch time, as the
+runtime's probe measures it: activation forward + gradient back, 2 x (comm + delay_j),
+charged to the sending stage (`dynmo.balance.Problem.transfer`); with `"free"` they balance
+compute only. `replay_link_delays` runs the network experiment: the same trace at link delays
+of 0x, 1x, 2x, 4x a base time, link-aware against compute-only.
 """
 
 from __future__ import annotations
@@ -32,7 +53,7 @@ from typing import Sequence
 
 import numpy as np
 
-from dynmo.balance import BALANCERS, Problem, balance
+from dynmo.balance import BALANCERS, BalanceError, Problem, balance
 from dynmo.config import BalanceConfig, ConfigError
 from dynmo.controller import MIGRATION_BANDWIDTH, MIGRATION_FIXED_S
 from dynmo.layout import Layout, imbalance
@@ -42,10 +63,12 @@ from dynmo.sim.engine import SimInputError, StageTimes, ring_allreduce_time, sim
 from dynmo.sim.schedules import Plan, build_plan, canonical_name, default_stages_per_rank
 from dynmo.sim.trace import Trace
 
-STATIC = ("uniform", "params")
+STATIC = ("uniform", "params", "profile-once")
 DYNAMIC = ("optimal", "deepspeed", "diffusion-contiguous")
 DEFAULT_POLICIES = (*STATIC, *DYNAMIC, *(f"{b}+repack" for b in DYNAMIC), "oracle")
 GRAD_BYTES_PER_PARAM = 4  # fp32 gradients in the data-parallel all-reduce
+PROFILE_STEPS = 5  # profile-once: steps 1 .. PROFILE_STEPS (step 0 is the warm-up)
+LINK_DELAY_FACTORS = (0.0, 1.0, 2.0, 4.0)  # the paper's network experiment: up to 4x
 
 
 def replay_balance(**knobs) -> BalanceConfig:
@@ -62,13 +85,17 @@ class ReplayOptions:
     # the DynMo loop's knobs, as [balance] in a training config; each dynamic policy sets the
     # balancer and re-packing from its name (optimal+repack)
     balance: BalanceConfig = field(default_factory=replay_balance)
-    initial: str = "uniform"  # initial layout of the dynamic policies: uniform | params
+    initial: str = "uniform"  # initial layout of the dynamic policies: uniform | params | profile-once
+    profile_steps: int = PROFILE_STEPS  # profile-once: median of steps 1 .. profile_steps
     # migration cost: seconds = fixed + bytes / bandwidth (and the controller's prior)
     migration_bandwidth: float = MIGRATION_BANDWIDTH  # bytes/s
     migration_fixed_s: float = MIGRATION_FIXED_S
     charge_decide: bool = True  # add the measured time of the controller's decisions
     # communication
     comm: float = 0.0  # seconds per activation / gradient transfer between stages
+    # extra seconds per activation / gradient transfer on link j (stage j <-> j+1), stages - 1
+    # values (a re-packed pipeline keeps the first ones); None: no delay
+    link_delay: list[float] | None = None
     op_overhead: float = 0.0  # seconds a rank spends per forward / backward op outside it (send/recv posting,
     #                          Python); benchmarks/validate_sim.py fits 1.4 ms on this machine's gloo runs
     p2p: str = "eager"
@@ -83,9 +110,19 @@ class ReplayOptions:
         if self.balance.when == "never":
             raise SimInputError("balance.when = never keeps every layout static; the dynamic policies need every, dynamism or auto")
         if self.initial not in STATIC:
-            raise SimInputError(f"initial must be uniform or params, got {self.initial!r}")
-        if not self.op_overhead >= 0 or not self.comm >= 0:
-            raise SimInputError("comm and op_overhead are seconds >= 0")
+            raise SimInputError(f"initial must be one of {', '.join(STATIC)}, got {self.initial!r}")
+        if not self.op_overhead >= 0 or not self.comm >= 0 or not np.isfinite(self.comm + self.op_overhead):
+            raise SimInputError("comm and op_overhead are finite seconds >= 0")
+        if isinstance(self.profile_steps, bool) or not isinstance(self.profile_steps, (int, np.integer)) \
+                or self.profile_steps < 1:
+            raise SimInputError(f"profile_steps must be an integer >= 1, got {self.profile_steps!r}")
+        if self.link_delay is not None:
+            try:
+                d = np.asarray(self.link_delay, dtype=float)
+            except (TypeError, ValueError):
+                d = np.asarray([np.nan])
+            if d.ndim != 1 or not np.all(np.isfinite(d)) or np.any(d < 0):
+                raise SimInputError("link_delay must be a list of finite seconds >= 0, one per link between stages")
         if not self.migration_bandwidth > 0:
             raise SimInputError("migration bandwidth must be > 0 bytes/s (use inf for free migrations)")
         if self.microbatches is not None and self.microbatches < 1:
@@ -110,6 +147,9 @@ class PolicyResult:
     tokens_per_step: float | None = None
     speedup: float | None = None  # vs static uniform: its total time / this total time
     speedup_per_worker: float | None = None  # the same per worker-second (credits released workers)
+    # vs the best static layout (the fastest of uniform, params, profile-once): its total time / this
+    speedup_vs_best_static: float | None = None
+    best_static: str | None = None  # which static policy that was
 
     @property
     def steps(self) -> int:
@@ -127,6 +167,16 @@ class PolicyResult:
     @property
     def steps_per_s(self) -> float:
         return self.steps / self.total_s if self.total_s > 0 else 0.0
+
+    @property
+    def steps_per_worker_s(self) -> float:
+        """Steps per worker-second: throughput per worker, over the run."""
+        return self.steps / self.worker_s if self.worker_s > 0 else 0.0
+
+    @property
+    def tokens_per_s_per_worker(self) -> float | None:
+        """Tokens per worker-second (tokens/s per worker, over the run); None without token counts."""
+        return None if self.tokens_per_step is None else self.tokens_per_step * self.steps_per_worker_s
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -148,7 +198,10 @@ class PolicyResult:
         d = {
             "policy": self.policy, "steps": self.steps, "total_s": self.total_s, "steps_per_s": self.steps_per_s,
             "tokens_per_s": self.tokens_per_s, "speedup": self.speedup, "speedup_per_worker": self.speedup_per_worker,
-            "mean_bubble": self.mean_bubble, "workers_mean": self.workers_mean, "workers_final": self.workers_final,
+            "speedup_vs_best_static": self.speedup_vs_best_static, "best_static": self.best_static,
+            "worker_s": self.worker_s, "tokens_per_s_per_worker": self.tokens_per_s_per_worker,
+            "steps_per_worker_s": self.steps_per_worker_s, "mean_bubble": self.mean_bubble,
+            "workers_mean": self.workers_mean, "workers_final": self.workers_final,
             "migrations": self.migrations, "layers_moved": self.layers_moved, "migration_s": self.migration_s,
             "decide_s": self.decide_s, "mean_bottleneck_s": float(np.mean(self.bottleneck_s)) if self.bottleneck_s else 0.0,
         }
@@ -177,8 +230,8 @@ def parse_policy(name: str) -> tuple[str, bool]:
         return base, False
     if base not in BALANCERS or not BALANCERS[base][1]:
         contiguous = sorted(b for b, (_, c) in BALANCERS.items() if c)
-        raise SimInputError(f"unknown policy {name!r}: use uniform, params, oracle or a contiguous balancer "
-                            f"({', '.join(contiguous)}), optionally with +repack")
+        raise SimInputError(f"unknown policy {name!r}: use uniform, params, profile-once, oracle or a contiguous "
+                            f"balancer ({', '.join(contiguous)}), optionally with +repack")
     return base, extra == "repack"
 
 
@@ -197,10 +250,16 @@ def _schedule(trace: Trace, opts: ReplayOptions) -> tuple[str, int]:
 class _Runner:
     """Builds plans once per shape and simulates one step for a layout."""
 
-    def __init__(self, trace: Trace, dp: int, opts: ReplayOptions):
+    def __init__(self, trace: Trace, dp: int, opts: ReplayOptions, stages: int):
         h = trace.header
         self.opts, self.dp = opts, dp
         self.schedule, self.v = _schedule(trace, opts)
+        self.delay = None  # injected delay per link (stage j <-> j+1), on the replay's stages
+        if opts.link_delay is not None:
+            self.delay = np.asarray(opts.link_delay, dtype=float)
+            if self.delay.shape != (max(stages - 1, 0),):
+                raise SimInputError(f"link_delay needs one value per link between the {stages} stages: "
+                                    f"{stages - 1} values, got {self.delay.size}")
         self.m = int(opts.microbatches or h.microbatches)
         self.fwd, self.bwd, self.wgrad = trace.fwd(), trace.bwd(), trace.wgrad()
         self.costs = self.fwd + self.bwd
@@ -211,6 +270,28 @@ class _Runner:
         self.local_batch = per_mb * self.m
         self.params = np.asarray(h.params, dtype=float)
         self.plans: dict[tuple[int, int], Plan] = {}
+
+    def link_times(self, stages: int) -> list[float] | None:
+        """Per link j (stage j -> j+1) of the first `stages` positions: the seconds per microbatch
+        the controller's load model charges to stage j, as the runtime's probe measures them --
+        the activation forward and its gradient back, 2 x (comm + delay_j); 0 where both stages
+        share a rank (the engine hands over for free there). None with `balance.links = "free"`
+        or when every link is free."""
+        if self.opts.balance.links == "free" or stages < 2:
+            return None
+        t = np.full(stages - 1, float(self.opts.comm))
+        if self.delay is not None:
+            t = t + self.delay[: stages - 1]
+        rank = self.plan(stages).stage_rank
+        t = np.where([rank[j] != rank[j + 1] for j in range(stages - 1)], 2.0 * t, 0.0)
+        return t.tolist() if np.any(t > 0) else None
+
+    def profile_costs(self) -> np.ndarray:
+        """profile-once's per-layer costs: the median over steps 1 .. profile_steps of what the
+        runtime's profiler measured (step 0, the warm-up, left out unless it is the only one)."""
+        n = len(self.observed)
+        lo = 1 if n > 1 else 0
+        return np.median(self.observed[lo:min(n, 1 + self.opts.profile_steps)], axis=0)
 
     def plan(self, stages: int, m: int | None = None) -> Plan:
         m = m or self.m
@@ -234,7 +315,10 @@ class _Runner:
             grad_bytes = np.add.reduceat(self.params, b) * GRAD_BYTES_PER_PARAM
             ar = ring_allreduce_time(grad_bytes, self.dp, self.opts.allreduce_bandwidth, self.opts.allreduce_latency)
         o = self.opts.op_overhead
-        times = StageTimes.build(f + o, bw + o, m, wgrad=w, comm=self.opts.comm * scale, allreduce=ar)
+        # an injected delay is per transfer: it does not grow with a re-tuned microbatch's size
+        delay = None if self.delay is None else self.delay[: layout.num_stages - 1]
+        times = StageTimes.build(f + o, bw + o, m, wgrad=w, comm=self.opts.comm * scale, allreduce=ar,
+                                 link_delay=delay)
         plan = self.plan(layout.num_stages, m)
         sim = simulate_plan(plan, times, dp=self.dp, p2p=self.opts.p2p, split_bubble=False)
         loads = ((f + bw) / scale).tolist()  # per traced-size microbatch, comparable across policies
@@ -247,10 +331,19 @@ class _Runner:
         res.microbatches.append(m)
 
 
-def _static_layout(name: str, trace: Trace, stages: int) -> Layout:
+def _static_layout(name: str, trace: Trace, stages: int, runner: _Runner) -> Layout:
     if name == "uniform":
         return Layout.uniform(trace.num_layers, stages)
+    if name == "profile-once":
+        return profile_once_layout(runner.profile_costs(), stages, runner.link_times(stages))
     return Layout(tuple(balance(Problem(costs=trace.header.params, stages=stages), "deepspeed").boundaries))
+
+
+def profile_once_layout(costs, stages: int, transfer: Sequence[float] | None = None) -> Layout:
+    """The optimal contiguous layout (min-max stage load, `dynmo.balance` optimal) of per-layer
+    `costs`, with per-link `transfer` seconds charged to the sending stage."""
+    r = balance(Problem(costs=[float(c) for c in costs], stages=stages, transfer=transfer), "optimal")
+    return Layout(tuple(r.boundaries))
 
 
 def _moved_bytes(old: Layout, new: Layout, workers: Sequence[int], layer_bytes: Sequence[int]) -> tuple[int, int]:
@@ -265,8 +358,9 @@ def replay(trace: Trace, stages: int | None = None, dp: int | None = None,
            policies: Sequence[str] | None = None, options: ReplayOptions | None = None) -> list[PolicyResult]:
     """Replay `trace` on `stages` pipeline stages x `dp` replicas under each policy.
 
-    `stages` and `dp` default to the traced run's; `policies` to `default_policies`. Speedups are relative to static uniform
-    (replayed for the comparison even when not asked for; then it is not returned).
+    `stages` and `dp` default to the traced run's; `policies` to `default_policies`. `speedup` is relative to static
+    uniform, `speedup_vs_best_static` to the fastest of the static policies (uniform, params, profile-once; each
+    replayed for the comparison even when not asked for, and then not returned).
     """
     opts = options or ReplayOptions()
     opts.check()
@@ -281,7 +375,7 @@ def replay(trace: Trace, stages: int | None = None, dp: int | None = None,
     if policies is None:
         policies = default_policies(trace, opts)
     parsed = [(p, *parse_policy(p)) for p in policies]
-    runner = _Runner(trace, dp, opts)
+    runner = _Runner(trace, dp, opts, stages)
     if runner.v > 1 and any(rp for _, _, rp in parsed):
         raise SimInputError(f"re-packing needs one stage per rank (GPipe or 1F1B), as in the runtime; "
                             f"{runner.schedule} runs {runner.v}: drop the +repack policies")
@@ -295,19 +389,34 @@ def replay(trace: Trace, stages: int | None = None, dp: int | None = None,
             continue
         res = PolicyResult(name, tokens_per_step=tokens)
         if base in STATIC:
-            _run_static(trace, runner, _static_layout(base, trace, stages), res)
+            _run_static(trace, runner, _static_layout(base, trace, stages, runner), res)
         elif base == "oracle":
             _run_oracle(trace, runner, stages, res)
         else:
             _run_dynamic(trace, runner, stages, base, rp, opts, res)
         out[name] = res
-    ref = out.get("uniform")
-    if ref is None:
-        ref = PolicyResult("uniform", tokens_per_step=tokens)
-        _run_static(trace, runner, _static_layout("uniform", trace, stages), ref)
+    # the static references, replayed for the comparison when not asked for
+    statics: dict[str, PolicyResult] = {}
+    for name in STATIC:
+        if name in out:
+            statics[name] = out[name]
+            continue
+        ref = PolicyResult(name, tokens_per_step=tokens)
+        try:
+            layout = _static_layout(name, trace, stages, runner)
+        except BalanceError:
+            if name == "params":  # DeepSpeed's partition is refused beyond its size limit: not a reference then
+                continue
+            raise
+        _run_static(trace, runner, layout, ref)
+        statics[name] = ref
+    ref = statics["uniform"]
+    best = min(statics.values(), key=lambda r: r.total_s)  # ties: the first in STATIC order
     for r in out.values():
         r.speedup = ref.total_s / r.total_s if r.total_s > 0 else None
         r.speedup_per_worker = ref.worker_s / r.worker_s if r.worker_s > 0 else None
+        r.speedup_vs_best_static = best.total_s / r.total_s if r.total_s > 0 else None
+        r.best_static = best.policy
     return _ordered(out, [p for p, _, _ in parsed])
 
 
@@ -327,8 +436,9 @@ def _run_static(trace: Trace, runner: _Runner, layout: Layout, res: PolicyResult
 
 
 def _run_oracle(trace: Trace, runner: _Runner, stages: int, res: PolicyResult) -> None:
+    transfer = runner.link_times(stages)
     for k in range(len(trace.steps)):
-        r = balance(Problem(costs=runner.costs[k].tolist(), stages=stages), "optimal")
+        r = balance(Problem(costs=runner.costs[k].tolist(), stages=stages, transfer=transfer), "optimal")
         res.overhead_s.append(0.0)
         runner.step(k, r.layout, res)
 
@@ -339,8 +449,9 @@ def _run_dynamic(trace: Trace, runner: _Runner, stages: int, balancer: str, do_r
     h = trace.header
     loop = DynmoLoop(replace(opts.balance, balancer=balancer, repack=do_repack), microbatches=runner.m,
                      schedule=runner.schedule, layer_params=h.params, layer_bytes=h.layer_bytes,
+                     transfer=runner.link_times(stages),
                      migration_fixed_s=opts.migration_fixed_s, migration_bandwidth=opts.migration_bandwidth)
-    layout = _static_layout(opts.initial, trace, stages)
+    layout = _static_layout(opts.initial, trace, stages, runner)
     m = runner.m
     n_steps = len(trace.steps)
     for k, st in enumerate(trace.steps):
@@ -373,21 +484,95 @@ def _run_dynamic(trace: Trace, runner: _Runner, stages: int, balancer: str, do_r
 
 
 def summary_table(results: Sequence[PolicyResult]) -> str:
-    """The replay table: throughput, speedup, bubble, workers, migrations."""
+    """The replay table: throughput, speedups (over static uniform and over the best static
+    layout), bubble, workers and worker-seconds, per-worker throughput, migrations."""
     tok = any(r.tokens_per_s is not None for r in results)
+    per_worker = "tok/s/wkr" if tok else "steps/wkr-s"
     head = (f"{'policy':<28} {'steps/s':>8} " + (f"{'tokens/s':>10} " if tok else "") +
-            f"{'speedup':>7} {'/worker':>7} {'bubble':>6} {'bottleneck':>10} {'workers':>11} {'migr':>5} "
-            f"{'moved':>5} {'migr s':>7} {'decide s':>8}")
+            f"{'speedup':>7} {'vs best':>7} {'/worker':>7} {'bubble':>6} {'bottleneck':>10} {'workers':>11} "
+            f"{'worker-s':>10} {per_worker:>11} {'migr':>5} {'moved':>5} {'migr s':>7} {'decide s':>8}")
     lines = [head, "-" * len(head)]
     for r in results:
         bn = float(np.mean(r.bottleneck_s)) if r.bottleneck_s else 0.0
         workers = f"{r.workers_mean:.1f}/{r.workers_final}"
+        pw = f"{(r.tokens_per_s_per_worker or 0):>11.2f}" if tok else f"{r.steps_per_worker_s:>11.3g}"
         lines.append(
             f"{r.policy:<28} {r.steps_per_s:>8.3f} " + (f"{(r.tokens_per_s or 0):>10.0f} " if tok else "") +
-            f"{(r.speedup or 0):>7.3f} {(r.speedup_per_worker or 0):>7.3f} {r.mean_bubble:>6.3f} {bn * 1e3:>8.2f}ms "
-            f"{workers:>11} {r.migrations:>5} {r.layers_moved:>5} {r.migration_s:>7.3f} {r.decide_s:>8.4f}"
+            f"{(r.speedup or 0):>7.3f} {(r.speedup_vs_best_static or 0):>7.3f} {(r.speedup_per_worker or 0):>7.3f} "
+            f"{r.mean_bubble:>6.3f} {bn * 1e3:>8.2f}ms {workers:>11} {r.worker_s:>10.1f} {pw} "
+            f"{r.migrations:>5} {r.layers_moved:>5} {r.migration_s:>7.3f} {r.decide_s:>8.4f}"
         )
+    best = next((r.best_static for r in results if r.best_static), None)
+    if best:
+        lines.append(f"vs best: total time of the best static layout ({best}, of {', '.join(STATIC)}) / this policy's; "
+                     f"worker-s: worker-seconds over the run; {per_worker}: "
+                     + ("tokens" if tok else "steps") + " per worker-second")
     return "\n".join(lines)
+
+
+LINK_MODES = ("measure", "free")  # balance.links: link-aware, compute-only
+
+
+def replay_link_delays(trace: Trace, base_s: float, stages: int | None = None, dp: int | None = None,
+                       links: Sequence[int] | None = None, factors: Sequence[float] = LINK_DELAY_FACTORS,
+                       policies: Sequence[str] = ("uniform", "profile-once", "optimal"),
+                       options: ReplayOptions | None = None) -> list[dict]:
+    """The paper's network experiment: the same trace replayed with a delay of f x `base_s`
+    seconds per activation / gradient transfer injected on `links` (indices j of the links
+    stage j <-> j+1; default: every link) for each f in `factors`, once with link-aware
+    balancing (`balance.links = "measure"`: the controller, profile-once and the oracle see
+    each link's time) and once compute-only (`"free"`). `options` gives everything else.
+
+    One row per (factor, links mode, policy): the delay, the policy's total and mean step
+    time, its speedups over static uniform and over the best static layout under that delay,
+    migrations and final layout. `link_delay_table(rows)` prints them side by side."""
+    opts = options or ReplayOptions()
+    h = trace.header
+    S = int(stages or h.pp * h.virtual_stages)
+    if not base_s >= 0 or not np.isfinite(base_s):
+        raise SimInputError(f"base_s must be finite seconds >= 0, got {base_s}")
+    chosen = sorted(set(range(S - 1) if links is None else (int(j) for j in links)))
+    if any(not 0 <= j < S - 1 for j in chosen):
+        raise SimInputError(f"links are indices 0..{S - 2} of the links between the {S} stages, got {chosen}")
+    rows = []
+    for f in factors:
+        delay = [float(f) * base_s if j in chosen else 0.0 for j in range(S - 1)]
+        for mode in LINK_MODES:
+            o = replace(opts, link_delay=delay, balance=replace(opts.balance, links=mode))
+            for r in replay(trace, S, dp, policies, o):
+                rows.append({
+                    "factor": float(f), "delay_s": float(f) * base_s, "delayed_links": chosen, "links": mode,
+                    "policy": r.policy, "total_s": r.total_s, "mean_iteration_s": float(np.mean(r.iteration_s)),
+                    "speedup": r.speedup, "speedup_vs_best_static": r.speedup_vs_best_static,
+                    "best_static": r.best_static, "migrations": r.migrations, "layout_final": r.layouts[-1],
+                })
+    return rows
+
+
+def link_delay_table(rows: Sequence[dict]) -> str:
+    """Markdown table of `replay_link_delays` rows: per delay and policy, the mean step time
+    with link-aware and with compute-only balancing, and the ratio compute-only / link-aware
+    of their total times (> 1: seeing the links paid)."""
+    by = {(r["factor"], r["policy"], r["links"]): r for r in rows}
+    keys = list(dict.fromkeys((r["factor"], r["policy"]) for r in rows))
+    out = ["| delay (x base) | delay s | policy | s/step link-aware | s/step compute-only | compute-only / link-aware "
+           "| migrations (aware, free) | final layout link-aware | final layout compute-only |",
+           "|---:|---:|---|---:|---:|---:|---:|---|---|"]
+    for f, p in keys:
+        a, b = by.get((f, p, "measure")), by.get((f, p, "free"))
+        if a is None or b is None:
+            continue
+        ratio = b["total_s"] / a["total_s"] if a["total_s"] > 0 else float("nan")
+        same = a["layout_final"] == b["layout_final"]
+        out.append(f"| {f:g} | {a['delay_s']:.4g} | {p} | {a['mean_iteration_s']:.4f} | {b['mean_iteration_s']:.4f} | "
+                   f"{ratio:.3f} | {a['migrations']}, {b['migrations']} | {_short(a['layout_final'])} | "
+                   f"{'same' if same else _short(b['layout_final'])} |")
+    return "\n".join(out)
+
+
+def _short(boundaries: Sequence[int]) -> str:
+    """Stage sizes of a layout, e.g. 3+4+3 (boundaries are long at paper scale)."""
+    return "+".join(str(b - a) for a, b in zip(boundaries, boundaries[1:]))
 
 
 def trace_summary(trace: Trace) -> dict:
