@@ -2,24 +2,34 @@
 
     dynmo bench --out bench/ [--cases skewed,moe,...] [--steps N] [--repeats R] [--no-real] [--no-sim]
 
-1. Real runs on this machine, 2 pipeline ranks, for each dynamic-model case: the case's config
-   trained twice through the real launcher, static (uniform layout, `balance.when = never`)
-   and with dynmo (`auto`, or `dynamism` for cases that change on their own schedule), each
-   writing a per-layer cost trace. Reported: end-to-end tokens/s of both (all steps but the
-   first, migrations included), the speedup, the oracle bound (sum over steps of the static
-   layout's bottleneck / the best contiguous layout's, from the static run's measured
-   per-layer costs), dynmo's overhead (profiler bookkeeping + deciding + migrating, % of its
-   training time) and its bubble ratio against static's. With `--repeats R` (default 2) the
-   two runs alternate R times (static, dynmo, static, dynmo, ...) so slow drift of the
-   machine hits both alike; the table gives medians and the range of the R paired speedups,
-   which is the run-to-run noise a reader needs to judge a speedup by.
-2. Simulated runs at the paper's scale from the static runs' traces: the trace scaled to a
+1. Real runs on this machine, 2 pipeline ranks, for each dynamic-model case, long enough for
+   the case's dynamism to develop (`BenchCase.steps`: pruning through its whole schedule,
+   freezing until most blocks are frozen, early exit after its classifiers trained):
+     - `uniform`, `params`: static layouts (Megatron's equal layers, DeepSpeed's parameter
+       partition), `balance.when = never`;
+     - `profile-once`: the optimal layout for the costs the uniform run measured over its first
+       steps after warm-up (`PROFILE_STEPS`, step 0 left out), never changed: the best a
+       careful user could do statically;
+     - `dynmo`: from uniform, the controller on (`auto`, or `dynamism` for cases that change on
+       their own schedule);
+     - `repack` (shrinking cases): dynmo with `balance.repack = true`, reported per worker;
+     - the dense model (the config without the technique) at the same step count, once.
+   Reported: tokens/s of each (all steps but the first, migrations included); the headline,
+   dynmo over the best of the three static layouts; dynmo over uniform; the technique alone
+   (uniform) and with dynmo over the dense model, beside the DynMo paper's figure for the case;
+   the oracle bound (from the uniform run's measured costs); final validation losses; for
+   re-packing, workers, worker-seconds and tokens/s per worker. With `--repeats R` the variants
+   alternate R times so slow drift of the machine hits all alike; medians, and the range of
+   the paired dynmo / best-static ratios.
+2. Simulated runs at the paper's scale from the uniform runs' traces: the trace scaled to a
    paper-sized model (`dynmo.sim.scale_trace`) and replayed (`dynmo.sim.replay.replay`) on 16
    stages x 8 data-parallel replicas for MoE and MoD, 24 stages x 30 for the others, under the
-   static policies and the dynamic ones, with and without re-packing.
+   static policies (profile-once among them) and the dynamic ones, with and without re-packing.
 
-Writes `OUT/bench.md` (both tables and the commands), `OUT/bench.json`, the traces, and PNG
-plots per case (`OUT/plots/<case>/`). What a case lacks (a config that does not exist, a run
+Writes `OUT/bench.md` (all tables and the commands), `OUT/bench.json`, the traces, and PNG
+plots per case (`OUT/plots/<case>/`: the replay's, and the real runs' stage loads, layouts and
+per-worker throughput over the steps). Results are written after every case, so an
+interrupted run keeps what it measured. What a case lacks (a config that does not exist, a run
 that failed) is said in the output, not hidden.
 """
 
@@ -39,6 +49,8 @@ from dynmo.balance import Problem, balance
 from dynmo.layout import Layout
 
 ROOT = Path(__file__).resolve().parents[1]
+DENSE = "configs/default.toml"
+PROFILE_STEPS = 5  # profile-once: the median cost of steps 1..5 (step 0 is the warm-up)
 
 
 @dataclass(frozen=True)
@@ -49,25 +61,45 @@ class BenchCase:
     stages: int  # paper-scale simulation
     dp: int
     blocks: int
+    steps: int = 60  # real runs: long enough for the case's dynamism to develop
+    extra: tuple[str, ...] = ()  # overrides of the case's config for the benchmark
+    dense: str | None = DENSE  # the model without the technique; None: no dense counterpart
+    repack: bool = False  # a shrinking model: also run dynmo with re-packing
 
 
 CASES = [
-    BenchCase("skewed", "configs/skewed.toml", "auto", 24, 30, 48),
-    BenchCase("moe", "configs/moe.toml", "auto", 16, 8, 32),
-    BenchCase("mod", "configs/mod.toml", "auto", 16, 8, 32),
-    BenchCase("hashattn", "configs/hashattn.toml", "auto", 24, 30, 48),
-    BenchCase("pruning", "configs/pruning.toml", "dynamism", 24, 30, 48),
-    BenchCase("freezing", "configs/freezing.toml", "dynamism", 24, 30, 48),
-    BenchCase("earlyexit", "configs/earlyexit.toml", "auto", 24, 30, 48),
-    BenchCase("mixtral", "configs/mixtral.toml", "auto", 16, 8, 32),
+    BenchCase("skewed", "configs/skewed.toml", "auto", 24, 30, 48, steps=60),
+    BenchCase("moe", "configs/moe.toml", "auto", 16, 8, 32, steps=80),
+    BenchCase("mod", "configs/mod.toml", "auto", 16, 8, 32, steps=80),
+    BenchCase("hashattn", "configs/hashattn.toml", "auto", 24, 30, 48, steps=80),
+    # the whole cubic schedule (steps 10..50, to 90 %), then 70 steps at the final sparsity
+    BenchCase("pruning", "configs/pruning.toml", "dynamism", 24, 30, 48, steps=120, repack=True),
+    # until all blocks but the last may freeze
+    BenchCase("freezing", "configs/freezing.toml", "dynamism", 24, 30, 48, steps=150,
+              extra=("--freeze.max_frozen", "-1"), repack=True),
+    # exits from step 10 on, with the classifiers training from step 0
+    BenchCase("earlyexit", "configs/earlyexit.toml", "auto", 24, 30, 48, steps=120, repack=True),
+    BenchCase("mixtral", "configs/mixtral.toml", "auto", 16, 8, 32, steps=60, dense=None),
 ]
-SIM_POLICIES = ["uniform", "params", "optimal", "optimal+repack", "deepspeed", "diffusion-contiguous", "oracle"]
+SIM_POLICIES = ["uniform", "params", "profile-once", "optimal", "optimal+repack", "deepspeed", "diffusion-contiguous",
+                "oracle"]
+STATIC_VARIANTS = ("uniform", "params", "profile-once")
+
+# The DynMo paper's end-to-end speedup for each case, and what it is measured against.
+PAPER = {
+    "moe": (1.23, "static Megatron-LM / DeepSpeed layouts"),
+    "pruning": (3.18, "static layouts, pruning 52 % -> 79 % -> 90 % every 1,000 iterations"),
+    "freezing": (2.23, "static layouts, freezing checked every 50 iterations"),
+    "hashattn": (4.02, "the dense-attention model"),
+    "earlyexit": (4.52, "the model without early exit"),
+    "mod": (1.17, "static layouts"),
+}
 
 
 def train(out: Path, config: str, *extra: str, nproc: int = 2) -> list[dict]:
     """Run `dynmo train` in a subprocess; return its metrics records."""
     cmd = [sys.executable, "-m", "dynmo.cli", "train", "--nproc", str(nproc), "--config", config,
-           "--out", str(out), "--log.tensorboard", "false", "--log.progress", "false", *extra]
+           "--out", str(out), "--overwrite", "--log.tensorboard", "false", "--log.progress", "false", *extra]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if p.returncode:
@@ -88,6 +120,17 @@ def throughput(recs: list[dict]) -> float:
     return tokens / sum(r["step_s"] for r in rest)
 
 
+def worker_seconds(recs: list[dict]) -> float:
+    """Sum over steps (all but the first) of the step's wall time x its active workers."""
+    return sum(r["step_s"] * r.get("workers", 2) for r in recs[1:] or recs)
+
+
+def per_worker(recs: list[dict]) -> float:
+    """Tokens per worker-second: the same training on fewer workers scores higher."""
+    rest = recs[1:] or recs
+    return sum(r["tokens_per_s"] * r["step_s"] for r in rest) / worker_seconds(recs)
+
+
 def oracle_bound(recs: list[dict]) -> float:
     """Sum over steps of the run's bottleneck / the best contiguous bottleneck (measured costs)."""
     static, best = 0.0, 0.0
@@ -99,39 +142,141 @@ def oracle_bound(recs: list[dict]) -> float:
     return static / best if best > 0 else float("nan")
 
 
-def real_row(case: BenchCase, out: Path, steps: int | None, repeats: int = 1) -> dict:
-    extra = ["--steps", str(steps)] if steps else []
-    runs: dict[str, list[list[dict]]] = {"static": [], "dynmo": []}
+def profile_once_layout(recs: list[dict]) -> list[int]:
+    """The optimal layout for the per-layer costs of the first steps after warm-up (median)."""
+    early = [r["layer_cost_s"] for r in recs[1 : 1 + PROFILE_STEPS]] or [recs[0]["layer_cost_s"]]
+    costs = [statistics.median(col) for col in zip(*early)]
+    stages = Layout(tuple(recs[0]["layout"])).num_stages
+    return list(balance(Problem(costs=costs, stages=stages), "optimal").boundaries)
+
+
+def final_val(recs: list[dict]) -> float | None:
+    vals = [r["val_loss"] for r in recs if r.get("val_loss") is not None]
+    return vals[-1] if vals else None
+
+
+def _variants(case: BenchCase) -> list[str]:
+    return [*STATIC_VARIANTS, "dynmo"] + (["repack"] if case.repack else [])
+
+
+def real_row(case: BenchCase, out: Path, steps: int | None, repeats: int = 1, dense: dict | None = None) -> dict:
+    """Every variant of `case`, `repeats` times in alternation; medians and the paired range.
+    `dense`: cache of dense-model runs by (config, steps), shared across cases."""
+    n = steps or case.steps
+    base = ["--steps", str(n), "--train.eval_every", str(n), *case.extra]
+    runs: dict[str, list[list[dict]]] = {v: [] for v in _variants(case)}
+    seconds: dict[str, float] = {}
     for rep in range(repeats):
-        for variant, when in (("static", "never"), ("dynmo", case.when)):
-            name = f"{case.name}-{variant}" + (f"-{rep}" if rep else "")  # the first repeat's trace feeds the simulation
+        for variant in _variants(case):
+            name = f"{case.name}-{variant}" + (f"-{rep}" if rep else "")
+            args = list(base)
+            if variant in ("uniform", "params"):
+                args += ["--balance.when", "never", "--parallel.layout", variant]
+            elif variant == "profile-once":
+                lay = profile_once_layout(runs["uniform"][rep])
+                args += ["--balance.when", "never", "--parallel.layout", ",".join(map(str, lay))]
+            else:
+                args += ["--balance.when", case.when] + (["--balance.repack", "true"] if variant == "repack" else [])
+            if variant == "uniform" and rep == 0:  # the trace the simulation scales
+                args += ["--trace", str((out / "traces" / f"{case.name}-static.jsonl").resolve())]
             t = time.perf_counter()
-            recs = train(out / "runs" / name, case.config, "--balance.when", when, "--trace", str(out / "traces" / f"{name}.jsonl"), *extra)
+            recs = train(out / "runs" / name, case.config, *args)
+            seconds[variant] = seconds.get(variant, 0.0) + time.perf_counter() - t
             runs[variant].append(recs)
             print(f"  {case.name} {variant} ({rep + 1}/{repeats}): {len(recs)} steps in {time.perf_counter() - t:.0f} s, "
                   f"{throughput(recs):,.0f} tok/s", file=sys.stderr, flush=True)
     med = statistics.median
-    static_tps = [throughput(s) for s in runs["static"]]
-    dynmo_tps = [throughput(d) for d in runs["dynmo"]]
-    paired = [d / s for s, d in zip(static_tps, dynmo_tps)]
+    tps = {v: [throughput(r) for r in rs] for v, rs in runs.items()}
+    best = max(STATIC_VARIANTS, key=lambda v: med(tps[v]))
+    paired = [d / max(tps[v][i] for v in STATIC_VARIANTS) for i, d in enumerate(tps["dynmo"])]
     d = runs["dynmo"][0]
-    return {
+    row = {
         "case": case.name,
         "when": case.when,
         "steps": len(d),
         "repeats": repeats,
-        "static_tokens_per_s": med(static_tps),
-        "dynmo_tokens_per_s": med(dynmo_tps),
-        "speedup": med(dynmo_tps) / med(static_tps),
-        "speedup_min": min(paired),
-        "speedup_max": max(paired),
-        "oracle_bound": med(oracle_bound(s) for s in runs["static"]),
-        "static_bubble": med(statistics.fmean(r["bubble_ratio"] for r in s[1:]) for s in runs["static"]),
-        "dynmo_bubble": med(statistics.fmean(r["bubble_ratio"] for r in x[1:]) for x in runs["dynmo"]),
+        "seconds": {v: round(s) for v, s in seconds.items()},
+        "tokens_per_s": {v: med(x) for v, x in tps.items()},
+        "best_static": best,
+        "speedup_vs_best_static": med(tps["dynmo"]) / med(tps[best]),
+        "speedup_vs_best_static_min": min(paired),
+        "speedup_vs_best_static_max": max(paired),
+        "speedup_vs_uniform": med(tps["dynmo"]) / med(tps["uniform"]),
+        "oracle_bound": med(oracle_bound(s) for s in runs["uniform"]),
+        "profile_once_layout": profile_once_layout(runs["uniform"][0]),
+        "bubble": {v: med(statistics.fmean(r["bubble_ratio"] for r in x[1:]) for x in rs) for v, rs in runs.items()},
         "migrations": med(sum(e["type"] == "migration" for r in x for e in r["events"]) for x in runs["dynmo"]),
         "overhead_pct": med(100 * overhead_s(x) / sum(r["step_s"] for r in x) for x in runs["dynmo"]),
         "final_layout": d[-1]["layout"],
+        "val_loss": {v: final_val(rs[0]) for v, rs in runs.items()},
+        "worker_s": {v: med(worker_seconds(x) for x in rs) for v, rs in runs.items()},
+        "tokens_per_worker_s": {v: med(per_worker(x) for x in rs) for v, rs in runs.items()},
+        "workers_final": {v: rs[0][-1].get("workers", 2) for v, rs in runs.items()},
     }
+    if case.dense is not None and dense is not None:
+        key = (case.dense, n)
+        if key not in dense:
+            t = time.perf_counter()
+            recs = train(out / "runs" / f"dense-{n}", case.dense, "--steps", str(n), "--train.eval_every", str(n),
+                         "--balance.when", "never")
+            dense[key] = {"tokens_per_s": throughput(recs), "val_loss": final_val(recs),
+                          "seconds": round(time.perf_counter() - t)}
+            print(f"  dense {case.dense} ({n} steps): {dense[key]['tokens_per_s']:,.0f} tok/s", file=sys.stderr,
+                  flush=True)
+        dn = dense[key]
+        row["dense"] = dn
+        row["technique_alone"] = med(tps["uniform"]) / dn["tokens_per_s"]
+        row["technique_dynmo"] = med(tps["dynmo"]) / dn["tokens_per_s"]
+    write_real_plots(case.name, runs, out / "plots" / case.name)
+    return row
+
+
+def write_real_plots(name: str, runs: dict[str, list[list[dict]]], out_dir: Path) -> None:
+    """The real runs over the steps: stage compute (uniform vs dynmo), dynmo's layout, and
+    tokens/s per worker of every variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shown = [v for v in ("uniform", "dynmo", "repack") if runs.get(v)]
+    fig, axes = plt.subplots(1, len(shown), figsize=(4.5 * len(shown), 3.2), squeeze=False, sharey=True,
+                             layout="constrained")
+    for ax, v in zip(axes.flat, shown):
+        recs = runs[v][0]
+        for j in range(max(len(r["stage_compute_s"]) for r in recs)):
+            ax.plot([r["step"] for r in recs], [r["stage_compute_s"][j] if j < len(r["stage_compute_s"]) else float("nan")
+                                                for r in recs], label=f"stage {j}", lw=1)
+        ax.set_title(f"{name}: {v}", fontsize=9)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=7)
+    axes.flat[0].set_ylabel("stage compute (s per step)")
+    fig.savefig(out_dir / "real_stage_loads.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(5, 3.2), layout="constrained")
+    recs = runs["dynmo"][0]
+    inner = max(len(r["layout"]) for r in recs) - 2
+    for j in range(inner):
+        ax.step([r["step"] for r in recs], [r["layout"][j + 1] if j + 1 < len(r["layout"]) - 1 else float("nan")
+                                            for r in recs], where="post", label=f"boundary {j + 1}")
+    ax.set_title(f"{name}: dynmo's layout", fontsize=9)
+    ax.set_xlabel("step")
+    ax.set_ylabel("first layer of stage")
+    ax.legend(fontsize=7)
+    fig.savefig(out_dir / "real_layout.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.2), layout="constrained")
+    for v, rs in runs.items():
+        recs = rs[0][1:]
+        ax.plot([r["step"] for r in recs], [r["tokens_per_s"] / r.get("workers", 2) for r in recs], label=v, lw=1)
+    ax.set_title(f"{name}: tokens/s per worker", fontsize=9)
+    ax.set_xlabel("step")
+    ax.legend(fontsize=7)
+    fig.savefig(out_dir / "real_per_worker.png", dpi=110)
+    plt.close(fig)
 
 
 def sim_rows(case: BenchCase, out: Path) -> list[dict]:
@@ -153,34 +298,86 @@ def fmt(x, spec: str = ".2f") -> str:
     return "n/a" if x is None or (isinstance(x, float) and x != x) else format(x, spec)
 
 
-def render(real: list[dict], sim: list[dict], missing: list[str], argv: list[str]) -> str:
-    lines = ["# dynmo bench\n", f"Command: `dynmo bench {' '.join(argv)}`\n"]
+def _f(x, spec: str = ".3f") -> str:
+    return fmt(x, spec)
+
+
+def render(real: list[dict], sim: list[dict], missing: list[str], argv: list[str], started: str = "",
+           duration_s: float | None = None) -> str:
+    lines = ["# dynmo bench\n", f"Command: `dynmo bench {' '.join(argv)}`"
+             + (f" (started {started}" + (f", {duration_s / 60:.0f} min" if duration_s else "") + ")" if started else "")
+             + "\n"]
     if real:
+        reps = real[0].get("repeats", 1)
         lines += [
             "## Real runs, this machine (2 ranks, gloo, CPU)\n",
-            f"Medians of {real[0].get('repeats', 1)} alternating static/dynmo pairs; the range is that of the paired speedups.\n",
-            "| case | trigger | steps | static tok/s | dynmo tok/s | speedup | range | oracle bound | bubble static → dynmo | migrations | overhead % | final layout (boundaries) |",
-            "|---|---|---:|---:|---:|---:|---|---:|---|---:|---:|---|",
+            "Tokens/s of every variant (all steps but the first, migrations included); the headline is dynmo over the "
+            "best of the three static layouts (profile-once: the optimal layout for the uniform run's costs of steps "
+            f"1..{PROFILE_STEPS}, kept)."
+            + (f" Medians of {reps} alternating rounds; the range is that of the paired ratios." if reps > 1 else "")
+            + "\n",
+            "| case | trigger | steps | uniform | params | profile-once | dynmo | **dynmo / best static** | best static "
+            "| dynmo / uniform | oracle bound | migrations | overhead % | final layout |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|",
         ]
         for r in real:
+            t = r["tokens_per_s"]
+            rng = (f" ({r['speedup_vs_best_static_min']:.3f}–{r['speedup_vs_best_static_max']:.3f})"
+                   if r.get("repeats", 1) > 1 else "")
             lines.append(
-                f"| {r['case']} | {r['when']} | {r['steps']} | {r['static_tokens_per_s']:,.0f} | {r['dynmo_tokens_per_s']:,.0f} | "
-                f"{r['speedup']:.3f} | {r['speedup_min']:.3f}–{r['speedup_max']:.3f} | {r['oracle_bound']:.3f} | "
-                f"{r['static_bubble']:.3f} → {r['dynmo_bubble']:.3f} | "
-                f"{r['migrations']:g} | {r['overhead_pct']:.2f} | {r['final_layout']} |"
+                f"| {r['case']} | {r['when']} | {r['steps']} | {t['uniform']:,.0f} | {t['params']:,.0f} | "
+                f"{t['profile-once']:,.0f} | {t['dynmo']:,.0f} | **{r['speedup_vs_best_static']:.3f}**{rng} | "
+                f"{r['best_static']} | {r['speedup_vs_uniform']:.3f} | {r['oracle_bound']:.3f} | {r['migrations']:g} | "
+                f"{r['overhead_pct']:.2f} | {r['final_layout']} |"
             )
+        lines += [
+            "",
+            "### Technique alone and with dynmo, against the dense model and the paper\n",
+            "Over the dense model (the same config without the technique, same steps): the technique on a static "
+            "uniform layout, and with dynmo. Validation loss at the last step.\n",
+            "| case | dense tok/s | technique alone | technique + dynmo | dynmo / best static | paper | paper compares against "
+            "| val loss: dense → technique → + dynmo |",
+            "|---|---:|---:|---:|---:|---:|---|---|",
+        ]
+        for r in real:
+            paper = PAPER.get(r["case"])
+            dn = r.get("dense") or {}
+            v = r["val_loss"]
+            lines.append(
+                f"| {r['case']} | {_f(dn.get('tokens_per_s'), ',.0f')} | {_f(r.get('technique_alone'))} | "
+                f"{_f(r.get('technique_dynmo'))} | {r['speedup_vs_best_static']:.3f} | "
+                f"{f'{paper[0]:.2f}' if paper else 'n/a'} | {paper[1] if paper else 'n/a'} | "
+                f"{_f(dn.get('val_loss'), '.3f')} → {_f(v.get('uniform'), '.3f')} → {_f(v.get('dynmo'), '.3f')} |"
+            )
+        packed = [r for r in real if "repack" in r["tokens_per_s"]]
+        if packed:
+            lines += [
+                "",
+                "### Re-packing: the same training on fewer workers\n",
+                "Worker-seconds = sum over steps of the step's wall time x its active workers; tokens/s per worker is "
+                "tokens over worker-seconds.\n",
+                "| case | variant | workers (final) | tok/s | worker-seconds | tok/s per worker |",
+                "|---|---|---:|---:|---:|---:|",
+            ]
+            for r in packed:
+                for v in ("dynmo", "repack"):
+                    lines.append(f"| {r['case']} | {'optimal' if v == 'dynmo' else 'optimal+repack'} | "
+                                 f"{r['workers_final'][v]} | {r['tokens_per_s'][v]:,.0f} | {r['worker_s'][v]:,.0f} | "
+                                 f"{r['tokens_per_worker_s'][v]:,.0f} |")
         lines.append("")
     if sim:
         lines += [
-            "## Simulated at paper scale (static traces above, scaled; `dynmo.sim.replay`)\n",
+            "## Simulated at paper scale (uniform traces above, scaled; `dynmo.sim.replay`)\n",
             "Microbatches per replica = 4 x stages; migrations charged at the controller's cost model.\n",
-            "| case | shape | policy | speedup vs uniform | mean bubble | workers (final) | migrations |",
-            "|---|---|---|---:|---:|---:|---:|",
+            "| case | shape | policy | vs uniform | **vs best static** | mean bubble | workers (final) | worker-seconds "
+            "| per worker vs uniform | migrations |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in sim:
             lines.append(
-                f"| {r['case']} | {r['shape']} | {r['policy']} | {fmt(r.get('speedup'), '.3f')} | "
-                f"{fmt(r.get('mean_bubble'), '.3f')} | {r.get('workers_final', 'n/a')} | {r.get('migrations', 0)} |"
+                f"| {r['case']} | {r['shape']} | {r['policy']} | {_f(r.get('speedup'))} | "
+                f"{_f(r.get('speedup_vs_best_static'))} | {_f(r.get('mean_bubble'))} | {r.get('workers_final', 'n/a')} | "
+                f"{_f(r.get('worker_s'), ',.0f')} | {_f(r.get('speedup_per_worker'))} | {r.get('migrations', 0)} |"
             )
         lines.append("")
     if missing:
@@ -193,13 +390,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dynmo bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench", help="output folder (default bench/)")
     ap.add_argument("--cases", default=",".join(c.name for c in CASES), help="comma-separated cases")
-    ap.add_argument("--steps", type=int, default=None, help="steps per real run (default: each config's)")
-    ap.add_argument("--repeats", type=int, default=2, help="alternating static/dynmo pairs per case (default 2); medians reported")
+    ap.add_argument("--steps", type=int, default=None, help="steps per real run (default: each case's, BenchCase.steps)")
+    ap.add_argument("--repeats", type=int, default=1, help="alternating rounds of all variants per case (default 1)")
     ap.add_argument("--no-real", action="store_true", help="skip the real runs, simulate from traces already in OUT/traces")
     ap.add_argument("--no-sim", action="store_true", help="skip the paper-scale simulation")
     args = ap.parse_args(argv)
-    if args.repeats < 1:
-        ap.error("--repeats must be >= 1")
+    if args.repeats < 1 or (args.steps is not None and args.steps < PROFILE_STEPS + 2):
+        ap.error(f"--repeats must be >= 1 and --steps >= {PROFILE_STEPS + 2}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     wanted = [c.strip() for c in args.cases.split(",") if c.strip()]
@@ -208,7 +405,16 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"dynmo bench: unknown case(s) {bad}; known: {', '.join(known)}", file=sys.stderr)
         return 2
-    real, sim, missing = [], [], []
+    started, t0 = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), time.perf_counter()
+    real, sim, missing, dense = [], [], [], {}
+
+    def write() -> str:
+        (out / "bench.json").write_text(json.dumps({"started": started, "duration_s": round(time.perf_counter() - t0),
+                                                    "real": real, "sim": sim, "missing": missing}, indent=1) + "\n")
+        text = render(real, sim, missing, argv, started, time.perf_counter() - t0)
+        (out / "bench.md").write_text(text)
+        return text
+
     for name in wanted:
         case = known[name]
         if not (ROOT / case.config).is_file():
@@ -217,19 +423,18 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_real:
             print(f"dynmo bench: {name} (real, 2 ranks)", file=sys.stderr, flush=True)
             try:
-                real.append(real_row(case, out, args.steps, args.repeats))
+                real.append(real_row(case, out, args.steps, args.repeats, dense))
             except RuntimeError as e:
                 missing.append(f"{name}: real run failed: {str(e).splitlines()[0]}")
+                write()
                 continue
         if not args.no_sim:
             if not (out / "traces" / f"{name}-static.jsonl").is_file():
                 missing.append(f"{name}: no static trace to simulate from (run without --no-real first)")
                 continue
             sim += sim_rows(case, out)
-    (out / "bench.json").write_text(json.dumps({"real": real, "sim": sim, "missing": missing}, indent=1) + "\n")
-    text = render(real, sim, missing, argv)
-    (out / "bench.md").write_text(text)
-    print(text)
+        write()
+    print(write())
     return 0
 
 

@@ -1,5 +1,12 @@
-"""Bad input gets a clear error before any work (the launcher never starts torchrun)."""
+"""Bad input gets a clear error before any work (the launcher never starts torchrun).
 
+Most cases call the launcher's `main` in this process (it returns before torchrun would
+start, so a subprocess adds only Python's start-up); `test_the_launcher_process_rejects_bad_input`
+runs the real `dynmo train` process on a few of them.
+"""
+
+import contextlib
+import io
 import json
 import shutil
 import subprocess
@@ -11,11 +18,30 @@ import pytest
 from tests.conftest import ROOT, TINY, run_train
 
 
-def dynmo_train(tmp_path, *args, nproc=2):
-    cmd = [sys.executable, "-m", "dynmo.cli", "train", "--nproc", str(nproc), "--out", str(tmp_path), *TINY, *args]
+def dynmo_train(tmp_path, *args, nproc=2, process=False):
+    argv = ["train", "--nproc", str(nproc), "--out", str(tmp_path), *TINY, *args]
     t = time.perf_counter()
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    if process:
+        p = subprocess.run([sys.executable, "-m", "dynmo.cli", *argv], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120)
+    else:
+        from dynmo import cli
+
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.chdir(ROOT), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = cli.main(argv)
+        p = subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
     return p, time.perf_counter() - t
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--parallel.layout", "0,3,9"], "covers 9 layers but the model has 6"),
+    (["--train.lr", "nan"], "train.lr=nan is not a finite number"),
+    (["--checkpoint.resume", "/no/such/ckpt"], "not a dynmo checkpoint"),
+])
+def test_the_launcher_process_rejects_bad_input(tmp_path, args, message):
+    p, _ = dynmo_train(tmp_path, *args, process=True)
+    assert_rejected(p, tmp_path, message)
 
 
 @pytest.mark.parametrize(

@@ -29,20 +29,71 @@ def test_oracle_bound_and_overhead_from_records():
     assert bench.overhead_s(recs) == 1.0
 
 
-def test_repeats_alternate_and_report_medians_and_the_paired_range(tmp_path, monkeypatch):
+def _rec(tps, costs=(1.0, 1.0, 1.0, 1.0), layout=(0, 2, 4), workers=2, step=0):
+    return {"step": step, "layout": list(layout), "layer_cost_s": list(costs), "profile_s": 0.0, "events": [],
+            "tokens_per_s": tps, "step_s": 1.0, "bubble_ratio": 0.25, "workers": workers,
+            "stage_compute_s": [1.0, 1.0]}
+
+
+def test_profile_once_is_the_optimal_layout_of_the_first_steps_after_warm_up():
+    warm = _rec(1.0, costs=(1.0, 1.0, 1.0, 9.0))  # step 0: left out
+    early = [_rec(1.0, costs=(3.0, 1.0, 1.0, 1.0)) for _ in range(bench.PROFILE_STEPS)]
+    late = _rec(1.0, costs=(1.0, 1.0, 1.0, 3.0))  # after the profile: never looked at
+    assert bench.profile_once_layout([warm, *early, late]) == [0, 1, 4]
+
+
+def test_per_worker_figures_credit_released_workers():
+    recs = [_rec(100.0), _rec(100.0, workers=2), _rec(100.0, workers=1)]
+    assert bench.worker_seconds(recs) == 3.0
+    assert bench.per_worker(recs) == 200.0 / 3.0
+
+
+def test_variants_alternate_and_the_headline_is_over_the_best_static_layout(tmp_path, monkeypatch):
     calls = []
-    tps = iter([100.0, 110.0, 90.0, 108.0, 100.0, 95.0])  # static, dynmo, static, dynmo, ...
+    # per round: uniform, params, profile-once, dynmo
+    tps = iter([100.0, 120.0, 110.0, 126.0,
+                100.0, 105.0, 125.0, 125.0,
+                100.0, 118.0, 110.0, 130.0])
 
     def fake_train(out, config, *extra):
-        calls.append((out.name, extra[1]))
-        rec = {"layout": [0, 2, 4], "layer_cost_s": [1.0] * 4, "profile_s": 0.0, "events": [],
-               "tokens_per_s": next(tps), "step_s": 1.0, "bubble_ratio": 0.25}
-        return [rec, rec]
+        args = dict(zip(extra[::2], extra[1::2]))
+        calls.append((out.name, args["--balance.when"], args.get("--parallel.layout")))
+        t = next(tps)
+        return [_rec(t, costs=(3.0, 1.0, 1.0, 1.0), step=k) for k in range(8)]
 
     monkeypatch.setattr(bench, "train", fake_train)
-    row = bench.real_row(bench.CASES[0], tmp_path, steps=None, repeats=3)
-    assert calls == [("skewed-static", "never"), ("skewed-dynmo", "auto"), ("skewed-static-1", "never"),
-                     ("skewed-dynmo-1", "auto"), ("skewed-static-2", "never"), ("skewed-dynmo-2", "auto")]
-    assert row["static_tokens_per_s"] == 100.0 and row["dynmo_tokens_per_s"] == 108.0
-    assert row["speedup"] == 1.08 and row["speedup_min"] == 0.95 and row["speedup_max"] == 1.2
-    assert "0.950–1.200" in bench.render([row], [], [], [])
+    monkeypatch.setattr(bench, "write_real_plots", lambda *a: None)
+    row = bench.real_row(bench.CASES[0], tmp_path, steps=8, repeats=3)
+    assert calls[:4] == [("skewed-uniform", "never", "uniform"), ("skewed-params", "never", "params"),
+                         ("skewed-profile-once", "never", "0,1,4"), ("skewed-dynmo", "auto", None)]
+    assert [c[0] for c in calls[4:8]] == ["skewed-uniform-1", "skewed-params-1", "skewed-profile-once-1", "skewed-dynmo-1"]
+    assert row["tokens_per_s"] == {"uniform": 100.0, "params": 118.0, "profile-once": 110.0, "dynmo": 126.0}
+    assert row["best_static"] == "params"
+    assert row["speedup_vs_best_static"] == 126.0 / 118.0
+    # each round's dynmo over that round's best static layout: 126/120, 125/125, 130/118
+    assert row["speedup_vs_best_static_min"] == 1.0 and row["speedup_vs_best_static_max"] == 130.0 / 118.0
+    assert row["speedup_vs_uniform"] == 1.26
+    text = bench.render([row], [], [], [])
+    assert "**1.068** (1.000–1.102)" in text and "| params |" in text
+
+
+def test_shrinking_cases_run_repack_and_the_dense_model_once(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_train(out, config, *extra):
+        calls.append(out.name)
+        workers = 1 if "repack" in out.name else 2
+        return [_rec(100.0, workers=workers if k > 3 else 2, step=k) for k in range(8)]
+
+    monkeypatch.setattr(bench, "train", fake_train)
+    monkeypatch.setattr(bench, "write_real_plots", lambda *a: None)
+    dense: dict = {}
+    pruning = next(c for c in bench.CASES if c.name == "pruning")
+    freezing = next(c for c in bench.CASES if c.name == "freezing")
+    a = bench.real_row(pruning, tmp_path, steps=8, dense=dense)
+    bench.real_row(freezing, tmp_path, steps=8, dense=dense)
+    assert calls.count("dense-8") == 1 and "pruning-repack" in calls
+    assert a["workers_final"] == {"uniform": 2, "params": 2, "profile-once": 2, "dynmo": 2, "repack": 1}
+    assert a["tokens_per_worker_s"]["repack"] > a["tokens_per_worker_s"]["dynmo"]
+    assert a["technique_alone"] == 1.0
+    assert "Re-packing: the same training on fewer workers" in bench.render([a], [], [], [])
