@@ -125,15 +125,15 @@ def test_cli_prints_one_json_object(tmp_path, capsys):
     assert out["released"] == [1]
 
 
-def test_cli_errors_are_one_line_and_nonzero(tmp_path, capsys):
+def test_cli_errors_are_one_line_and_exit_2(tmp_path, capsys):
     f = tmp_path / "p.json"
     f.write_text(json.dumps({"costs": [1, 2], "stages": 3}))
-    assert cli_main(["--input", str(f)]) == 1
+    assert cli_main(["--input", str(f)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "non-empty" in err
-    assert cli_main(["--input", str(tmp_path / "missing.json")]) == 1
+    assert err.count("\n") == 1 and "non-empty" in err and err.startswith("dynmo balance: error: ")
+    assert cli_main(["--input", str(tmp_path / "missing.json")]) == 2
     f.write_text(json.dumps({"costs": [1, 2], "stages": 1}))
-    assert cli_main(["--input", str(f), "--balancer", "nope"]) == 1
+    assert cli_main(["--input", str(f), "--balancer", "nope"]) == 2
     assert "unknown balancer" in capsys.readouterr().err
 
 

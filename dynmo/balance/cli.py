@@ -2,23 +2,38 @@
 
 Reads a problem (keys: costs, stages; optional memory, capacity, speeds, transfer, current)
 and prints one JSON object: balancer, boundaries, stage_loads, bottleneck, imbalance, moves,
-released, seconds (and workers, stage_memory, contiguous). Errors: one line, exit code 1.
-With --repack, --balancer picks the re-packing method: optimal (default) or firstfit.
+released, seconds (and workers, stage_memory, contiguous). Bad input (including a problem
+beyond the limits below, or an infeasible one): one line `dynmo balance: error: ...` on
+stderr, exit code 2. With --repack, --balancer picks the re-packing method: optimal
+(default) or firstfit.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
+from typing import Any
 
-from dynmo.jsonio import read_json
+import numpy as np
+
+from dynmo.jsonio import (
+    ArgumentParser, InputError, NonFiniteError, dumps, fail, integer, number, parse_args, read_json,
+)
 
 from . import BALANCERS, REPACKERS, BalanceError, Problem, balance, repack
+from .static import check_deepspeed_size
+
+PROG = "dynmo balance"
+
+# Limits on what one call may ask for (docs/balancers.md, "Limits"). The worst problem they
+# allow (one layer as costly as all others, which widens optimal's fewest-moves step to
+# ~layers x stages entries) takes ~30 s and ~0.5 GB; every other balancer is faster.
+MAX_LAYERS = 100_000
+MAX_STAGES = 4_096
+MAX_LAYER_STAGES = 50_000_000  # layers x stages
 
 
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="dynmo balance", description=__doc__.split("\n\n")[1])
+def _parser() -> ArgumentParser:
+    ap = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[1])
     ap.add_argument("--input", required=True, help="problem JSON file ('-' for stdin)")
     ap.add_argument("--balancer", default="optimal",
                     help=f"one of {', '.join(BALANCERS)}; with --repack: {', '.join(REPACKERS)}")
@@ -29,26 +44,59 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def check_size(data: Any, balancer: str) -> None:
+    """Refuse a problem beyond the limits before any work (InputError naming the limit)."""
+    if not isinstance(data, dict):
+        raise InputError("problem JSON must be an object with keys costs, stages, ...")
+    costs = data.get("costs")
+    n = len(costs) if isinstance(costs, list) else None
+    if n is not None and n > MAX_LAYERS:
+        raise InputError(f"costs has {n} layers, over the limit MAX_LAYERS = {MAX_LAYERS}; "
+                         "merge layers into fewer, larger ones")
+    if "stages" not in data:
+        return
+    p = integer("stages", data["stages"], 1, MAX_STAGES, limit="MAX_STAGES")
+    if n is not None and n * p > MAX_LAYER_STAGES:
+        raise InputError(f"{n} layers x {p} stages = {n * p} is over the limit MAX_LAYER_STAGES = "
+                         f"{MAX_LAYER_STAGES}; use fewer stages or merge layers")
+    if n is not None and balancer == "deepspeed":
+        check_deepspeed_size(n, p)
+
+
+def _check_args(args) -> None:
+    if args.repack:
+        if args.balancer not in REPACKERS:
+            raise InputError(f"--repack takes --balancer {' or '.join(REPACKERS)}, got {args.balancer!r}")
+    elif args.balancer not in BALANCERS:
+        raise InputError(f"unknown balancer {args.balancer!r}; choose one of {', '.join(BALANCERS)}")
+    number("--tolerance", args.tolerance)
+    if args.target is not None:
+        if not (args.repack and args.balancer == "firstfit"):
+            raise InputError("--target is for --repack --balancer firstfit only")
+        integer("--target", args.target, 1)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = parse_args(_parser(), argv)
+    if isinstance(args, int):
+        return args
     try:
+        _check_args(args)
         data = read_json(args.input)
-    except ValueError as e:
-        print(f"dynmo balance: {e}", file=sys.stderr)
-        return 1
-    try:
+        check_size(data, args.balancer)
         problem = Problem.from_dict(data)
-        if args.repack:
-            if args.balancer not in REPACKERS:
-                raise BalanceError(f"--repack takes --balancer {' or '.join(REPACKERS)}, got {args.balancer!r}")
-            result = repack(problem, tolerance=args.tolerance, method=args.balancer, target=args.target)
-        else:
-            result = balance(problem, args.balancer)
-    except (BalanceError, TypeError) as e:
-        msg = str(e).replace("\n", " ")
-        print(f"dynmo balance: {msg}", file=sys.stderr)
-        return 1
-    print(json.dumps(result.as_dict()))
+        with np.errstate(all="ignore"):
+            if args.repack:
+                result = repack(problem, tolerance=args.tolerance, method=args.balancer, target=args.target)
+            else:
+                result = balance(problem, args.balancer)
+        text = dumps(result.as_dict())
+    except NonFiniteError:
+        return fail(PROG, "the costs overflow: a stage load or the imbalance is not a finite number; "
+                          "rescale the costs (e.g. to milliseconds) and speeds")
+    except (InputError, BalanceError) as e:
+        return fail(PROG, e)
+    print(text)
     return 0
 
 

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from dynmo.jsonio import is_int, is_number
 from dynmo.layout import Layout, LayoutError
 
 # Two loads (or memory sums) that differ by less than EPS x (total cost or total memory) are
@@ -52,7 +53,7 @@ class Problem:
     def __post_init__(self) -> None:
         p = self.stages
         if isinstance(p, bool) or not isinstance(p, (int, np.integer)):
-            raise BalanceError(f"stages must be an integer, got {p!r}")
+            raise BalanceError(f"stages must be an integer, got {p!r:.40}")
         p = int(p)
         object.__setattr__(self, "stages", p)
         if p < 1:
@@ -78,16 +79,18 @@ class Problem:
             tt = _scalar_or_vector("transfer", self.transfer, p - 1, allow_zero=True) if p > 1 else np.zeros(0)
             t[: p - 1] = tt
         if self.current is not None:
+            bounds = _int_list("current", self.current)
             try:
-                cur = Layout(tuple(int(x) for x in self.current))
+                cur = Layout(bounds)
             except (LayoutError, TypeError, ValueError) as e:
-                raise BalanceError(f"current layout {list(self.current)!r} is invalid: {e}") from None
+                raise BalanceError(f"current layout {list(bounds)!r:.200} is invalid: {e}") from None
             if cur.num_layers != n or cur.num_stages != p:
                 raise BalanceError(
                     f"current layout {list(cur.boundaries)} has {cur.num_stages} stages over "
                     f"{cur.num_layers} layers; the problem has {p} stages over {n} layers"
                 )
             object.__setattr__(self, "current", list(cur.boundaries))
+        _check_overflow(c, m, s, t)
         for name, v in (("c", c), ("m", m), ("cap", cap), ("s", s), ("t", t)):
             v.setflags(write=False)
             object.__setattr__(self, name, v)
@@ -145,17 +148,23 @@ class Problem:
 
 
 def _vector(name: str, values: Any, n: int | None, *, allow_zero: bool) -> np.ndarray:
-    try:
-        if isinstance(values, (str, bytes, dict)):
-            raise TypeError
+    if isinstance(values, np.ndarray) and values.dtype.kind in "fiu":
+        if values.ndim != 1:
+            raise BalanceError(f"{name} must be a flat list of numbers")
+        a = values.astype(np.float64)
+    else:
+        if isinstance(values, (str, bytes, dict)) or not isinstance(values, Iterable):
+            raise BalanceError(f"{name} must be a list of numbers, got {values!r:.80}")
         vals = list(values)
-        if any(isinstance(x, (bool, str, bytes)) for x in vals):
-            raise TypeError
-        a = np.asarray(vals, dtype=np.float64)
-    except (TypeError, ValueError):
-        raise BalanceError(f"{name} must be a list of numbers, got {values!r:.80}") from None
-    if a.ndim != 1:
-        raise BalanceError(f"{name} must be a flat list of numbers")
+        for i, x in enumerate(vals):
+            if type(x) is not float and type(x) is not int and not is_number(x):
+                if isinstance(x, (list, tuple)):
+                    raise BalanceError(f"{name} must be a flat list of numbers; {name}[{i}] is a list")
+                raise BalanceError(f"{name}[{i}] = {x!r:.40} is not a number; give one number per entry")
+        try:
+            a = np.asarray(vals, dtype=np.float64)
+        except OverflowError:
+            raise BalanceError(f"{name} has an integer too large for a 64-bit float; rescale the values") from None
     if n is not None and len(a) != n:
         raise BalanceError(f"{name} has {len(a)} entries, expected {n}")
     bad = ~np.isfinite(a) | (a < 0) | ((a == 0) & (not allow_zero))
@@ -168,11 +177,41 @@ def _vector(name: str, values: Any, n: int | None, *, allow_zero: bool) -> np.nd
 
 def _scalar_or_vector(name: str, value: Any, n: int, *, allow_zero: bool = False,
                       allow_inf: bool = False) -> np.ndarray:
-    if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
-        v = float(value)
+    if is_number(value):
+        try:
+            v = float(value)
+        except OverflowError:
+            v = math.inf
         ok = (v >= 0 if allow_zero else v > 0) and (math.isfinite(v) or (allow_inf and v == math.inf))
         if not ok:
-            raise BalanceError(f"{name} = {value!r}; it must be a finite number {'>= 0' if allow_zero else '> 0'}")
+            raise BalanceError(f"{name} = {value!r:.40}; it must be a finite number {'>= 0' if allow_zero else '> 0'}")
         return np.full(n, v)
-    a = _vector(name, value, n, allow_zero=allow_zero)
-    return a
+    return _vector(name, value, n, allow_zero=allow_zero)
+
+
+def _int_list(name: str, values: Any) -> tuple[int, ...]:
+    """Integers only: 2.5 (and 2.0, and true) are refused, never truncated."""
+    if isinstance(values, np.ndarray) and values.dtype.kind in "iu":
+        return tuple(int(x) for x in values.ravel())
+    if isinstance(values, (str, bytes, dict)) or not isinstance(values, Iterable):
+        raise BalanceError(f"{name} must be a list of integers (layer boundaries), got {values!r:.80}")
+    out = []
+    for i, x in enumerate(values):
+        if not is_int(x):
+            raise BalanceError(f"{name}[{i}] = {x!r:.40} is not an integer; boundaries are layer indices "
+                               f"like [0, 12, 24]")
+        out.append(int(x))
+    return tuple(out)
+
+
+def _check_overflow(c: np.ndarray, m: np.ndarray, s: np.ndarray, t: np.ndarray) -> None:
+    """Every load, every sum of loads and of memory must stay a finite float64."""
+    with np.errstate(all="ignore"):
+        worst = float(c.sum()) / float(s.min()) + float(t.sum()) if len(s) else float(c.sum())
+        mem = float(m.sum())
+    if not math.isfinite(worst):
+        raise BalanceError("the costs overflow: their total (divided by the slowest speed, plus the transfer "
+                           "costs) is not a finite 64-bit float; rescale them (e.g. to milliseconds)")
+    if not math.isfinite(mem):
+        raise BalanceError("the memory sizes overflow: their total is not a finite 64-bit float; "
+                           "rescale them (e.g. to MB)")

@@ -10,7 +10,23 @@ import numpy as np
 
 from dynmo.layout import Layout
 
-from .problem import Problem
+from .problem import BalanceError, Problem
+
+# The DP below reads up to i candidates for each of its ~layers x stages cells: its time grows
+# with layers^2 x stages (10^9 takes 10-20 s on a 2-core machine; 1,000 x 1,000 and 31,622 x 1
+# are at the limit) and its tables with layers x stages. Larger problems are refused, not started.
+DEEPSPEED_MAX_WORK = 10**9
+
+
+def check_deepspeed_size(layers: int, stages: int) -> None:
+    """BalanceError when layers^2 x stages exceeds DEEPSPEED_MAX_WORK."""
+    work = layers * layers * stages
+    if work > DEEPSPEED_MAX_WORK:
+        raise BalanceError(
+            f"balancer 'deepspeed' on {layers} layers x {stages} stages needs layers^2 x stages = {work:.3g} "
+            f"steps, over the limit DEEPSPEED_MAX_WORK = {DEEPSPEED_MAX_WORK:.0e}; use balancer 'optimal' "
+            "(exact and near-linear) or fewer layers"
+        )
 
 
 def uniform(problem: Problem) -> list[int]:
@@ -31,6 +47,7 @@ def deepspeed(problem: Problem) -> list[int]:
     """
     w = problem.c
     n, p = len(w), problem.stages
+    check_deepspeed_size(n, p)
     pre = np.concatenate(([0.0], np.cumsum(w)))
     inf = np.inf
     dmax = np.full((n + 1, p + 1), inf)

@@ -15,20 +15,46 @@ stages.json (see docs/simulator.md):
      "dp": 30, "grad_bytes": [...], "bandwidth": 1e10, "latency": 1e-5,   # optional
      "allreduce": [...], "allreduce_mode": "overlap",  # optional
      "p2p": "eager"}                                   # optional: or "rendezvous"
+
+Bad input (a wrong type, a value out of range, a shape over the limits below, times so large
+that the result overflows): one line `dynmo simulate: error: ...` on stderr, exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import sys
+from typing import Any
 
-from dynmo.config import BalanceConfig
+import numpy as np
+
+from dynmo.balance import BalanceError
+from dynmo.balance.cli import MAX_LAYER_STAGES
+from dynmo.balance.static import check_deepspeed_size
+from dynmo.config import BalanceConfig, ConfigError
 from dynmo.controller import MIGRATION_BANDWIDTH, MIGRATION_FIXED_S
-from dynmo.jsonio import read_json
+from dynmo.jsonio import (
+    ArgumentParser, InputError, NonFiniteError, choice, dumps, fail, integer, number, parse_args,
+    read_json, write_json,
+)
 from dynmo.sim.engine import ALLREDUCE_MODES, P2P_MODES, SimInputError, simulate
-from dynmo.sim.schedules import SCHEDULES, ScheduleError
-from dynmo.sim.trace import TraceError
+from dynmo.sim.schedules import SCHEDULES, ScheduleError, canonical_name
+from dynmo.sim.trace import MAX_DP, MAX_LAYERS, MAX_MICROBATCHES, MAX_NOISE, MAX_STAGES, MAX_STEPS, TraceError
+
+PROG = "dynmo simulate"
+
+# Limits (docs/simulator.md, "Limits and exit codes"); the trace limits live in dynmo.sim.trace.
+# One simulated iteration holds ~2-3 ops per stage and microbatch with their times: 10^6
+# stage-microbatches take ~0.8 GB and 15-40 s; printing every op (--ops) takes ~4x that memory.
+MAX_STAGE_MICROBATCHES = 1_000_000  # stages x microbatches of one iteration
+MAX_OPS_STAGE_MICROBATCHES = 250_000  # the same with --ops (every op's start and end printed)
+MAX_REPLAY_OPS = 30_000_000  # replay: policies x steps x stages x microbatches (engine work)
+MAX_REPLAY_SERIES = 10_000_000  # replay: policies x steps x stages (per-step loads and layouts kept)
+MAX_INDENT = 8
+WHEN = ("every", "dynamism", "auto")
+# every bad-input error of the simulator, the balancers and the [balance] checks is a ValueError
+ERRORS = (InputError, SimInputError, ScheduleError, TraceError, BalanceError, ConfigError, ValueError)
 
 KEYS = {
     "schedule", "microbatches", "fwd", "bwd", "wgrad", "comm", "stages_per_rank", "dp",
@@ -36,8 +62,8 @@ KEYS = {
 }
 
 
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+def _parser() -> ArgumentParser:
+    ap = ArgumentParser(
         prog="dynmo simulate",
         description="With --input: simulate one training iteration of a pipeline schedule from "
         "per-stage times and print JSON (iteration_time, bubble_ratio split into bubble_inherent "
@@ -92,14 +118,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def run(spec: dict, trace: bool = False) -> dict:
     """Simulate a stages.json document (already parsed); return the output document."""
-    if not isinstance(spec, dict):
-        raise SimInputError("the input must be a JSON object with at least fwd and bwd")
-    unknown = set(spec) - KEYS
-    if unknown:
-        raise SimInputError(f"unknown keys {sorted(unknown)}; known keys: {sorted(KEYS)}")
-    for key in ("fwd", "bwd"):
-        if key not in spec:
-            raise SimInputError(f"missing {key!r}: a list of per-stage times in seconds")
+    check_spec(spec, ops=trace)
     res = simulate(
         spec["fwd"],
         spec["bwd"],
@@ -120,38 +139,210 @@ def run(spec: dict, trace: bool = False) -> dict:
     return res.as_dict()
 
 
+def check_cells(schedule: str, stages: int, microbatches: int, ops: bool = False) -> None:
+    """One iteration of `schedule` within MAX_STAGE_MICROBATCHES (MAX_OPS_STAGE_MICROBATCHES with --ops)."""
+    # ZBV plans max(2 ranks - 1, m) microbatches before dropping the extra ones (as torch)
+    planned = max(microbatches, stages - 1) if schedule == "ZBVZeroBubble" else microbatches
+    limit, name = ((MAX_OPS_STAGE_MICROBATCHES, "MAX_OPS_STAGE_MICROBATCHES") if ops
+                   else (MAX_STAGE_MICROBATCHES, "MAX_STAGE_MICROBATCHES"))
+    if stages * planned > limit:
+        what = f"{planned} microbatches (ZBVZeroBubble plans max(stages - 1, microbatches))" \
+            if planned != microbatches else f"{microbatches} microbatches"
+        raise InputError(f"{stages} stages x {what} = {stages * planned} is over the limit {name} = {limit}"
+                         f"{' (with --ops)' if ops else ''}; use fewer microbatches or stages")
+
+
+def check_spec(spec: Any, ops: bool = False) -> None:
+    """Check every value of a stages.json document before any work (InputError, one line)."""
+    if not isinstance(spec, dict):
+        raise SimInputError("the input must be a JSON object with at least fwd and bwd")
+    unknown = set(spec) - KEYS
+    if unknown:
+        raise SimInputError(f"unknown keys {sorted(unknown)}; known keys: {sorted(KEYS)}")
+    for key in ("fwd", "bwd"):
+        if key not in spec:
+            raise SimInputError(f"missing {key!r}: a list of per-stage times in seconds")
+    m = spec.get("microbatches")
+    if m is not None:
+        m = integer("microbatches", m, 1, MAX_MICROBATCHES, limit="MAX_MICROBATCHES")
+    stages, per_mb = _stage_times("fwd", spec["fwd"], m)
+    _stage_times("bwd", spec["bwd"], m)
+    if spec.get("wgrad") is not None:
+        _stage_times("wgrad", spec["wgrad"], m)
+    mb = per_mb or m
+    if mb is None:
+        raise SimInputError("fwd gives one time per stage, so the number of microbatches must be given "
+                            "(\"microbatches\": M)")
+    schedule = spec.get("schedule", "1F1B")
+    if not isinstance(schedule, str):
+        raise InputError(f"schedule must be a string, one of {', '.join(SCHEDULES)}")
+    check_cells(canonical_name(schedule), stages, mb, ops)
+    comm = spec.get("comm", 0.0)
+    if isinstance(comm, dict):
+        for k in ("fwd", "bwd"):
+            _times(f"comm.{k}", comm.get(k, 0.0))
+    else:
+        _times("comm", comm)
+    if spec.get("stages_per_rank") is not None:
+        integer("stages_per_rank", spec["stages_per_rank"], 1, stages)
+    integer("dp", spec.get("dp", 1), 1, MAX_DP, limit="MAX_DP")
+    for key in ("allreduce", "grad_bytes"):
+        if spec.get(key) is not None:
+            _times(key, spec[key])
+    if spec.get("bandwidth") is not None:
+        number("bandwidth", spec["bandwidth"], positive=True)
+    number("latency", spec.get("latency", 0.0))
+    choice("allreduce_mode", spec.get("allreduce_mode", "overlap"), ALLREDUCE_MODES)
+    choice("p2p", spec.get("p2p", "eager"), P2P_MODES)
+
+
+def _times(name: str, v: Any) -> None:
+    """A finite number >= 0, or a flat list of them."""
+    vals = v if isinstance(v, list) else [v]
+    if len(vals) > MAX_STAGES:
+        raise InputError(f"{name} has {len(vals)} entries, over the limit MAX_STAGES = {MAX_STAGES}")
+    for i, x in enumerate(vals):
+        number(f"{name}[{i}]" if isinstance(v, list) else name, x)
+
+
+def _stage_times(name: str, v: Any, m: int | None) -> tuple[int, int | None]:
+    """(stages, microbatches given by per-microbatch lists or None) of fwd, bwd or wgrad."""
+    if not isinstance(v, list) or not v:
+        raise SimInputError(f"{name} must be a non-empty list: one time per stage, or one list of "
+                            "per-microbatch times per stage")
+    if len(v) > MAX_STAGES:
+        raise InputError(f"{name} has {len(v)} stages, over the limit MAX_STAGES = {MAX_STAGES}")
+    nested = isinstance(v[0], list)
+    per_mb = len(v[0]) if nested else None
+    for s, row in enumerate(v):
+        if isinstance(row, list) != nested:
+            raise SimInputError(f"{name} mixes numbers and lists: give one number per stage, or one list per stage")
+        if nested:
+            if len(row) != per_mb or not row:
+                raise SimInputError(f"{name}[{s}] has {len(row)} per-microbatch times, {name}[0] has {per_mb}: "
+                                    "every stage needs one time per microbatch")
+            if len(row) > MAX_MICROBATCHES:
+                raise InputError(f"{name}[{s}] has {len(row)} microbatches, over the limit "
+                                 f"MAX_MICROBATCHES = {MAX_MICROBATCHES}")
+            if not all(type(x) is float and 0 <= x < math.inf for x in row):
+                for k, x in enumerate(row):
+                    number(f"{name}[{s}][{k}]", x)
+        else:
+            number(f"{name}[{s}]", row)
+    if nested and m is not None and per_mb != m:
+        raise SimInputError(f"{name} has {per_mb} per-microbatch times per stage but microbatches={m}")
+    return len(v), per_mb
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if args.trace is not None:
-        try:
+    args = parse_args(_parser(), argv)
+    if isinstance(args, int):
+        return args
+    try:
+        number("--indent", args.indent, 0, MAX_INDENT)
+        if args.trace is not None:
             return _replay_main(args)
-        except (SimInputError, ScheduleError, TraceError, ValueError) as e:
-            print(f"dynmo simulate: {e}", file=sys.stderr)
-            return 2
-    try:
         spec = read_json(args.input)
-    except ValueError as e:
-        print(f"dynmo simulate: {e}", file=sys.stderr)
-        return 2
-    if isinstance(spec, dict):
-        for key, val in (("schedule", args.schedule), ("microbatches", args.microbatches),
-                         ("dp", args.dp), ("allreduce_mode", args.allreduce_mode),
-                         ("p2p", args.p2p)):
-            if val is not None:
-                spec[key] = val
-    try:
-        out = run(spec, trace=args.ops)
-    except (SimInputError, ScheduleError) as e:
-        print(f"dynmo simulate: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(out, indent=args.indent or None))
+        if isinstance(spec, dict):
+            for key, val in (("schedule", args.schedule), ("microbatches", args.microbatches),
+                             ("dp", args.dp), ("allreduce_mode", args.allreduce_mode),
+                             ("p2p", args.p2p)):
+                if val is not None:
+                    spec[key] = val
+        with np.errstate(all="ignore"):
+            out = run(spec, trace=args.ops)
+        dumps({k: v for k, v in out.items() if k != "trace"})  # NonFiniteError before anything is printed
+        write_json(out, indent=args.indent or None)
+    except NonFiniteError:
+        return fail(PROG, "the times overflow: the iteration time is not a finite number; rescale the times "
+                          "(e.g. to milliseconds)")
+    except ERRORS as e:
+        return fail(PROG, e)
+    except OSError as e:  # --plots or --save-trace cannot write
+        return fail(PROG, f"cannot write {e.filename or 'the output'}: {e.strerror or e}")
     return 0
+
+
+def _check_replay_args(args: argparse.Namespace) -> list[str] | None:
+    """Check every replay flag before the trace is read; return the asked policies (None: default)."""
+    from dynmo.sim.replay import parse_policy
+
+    if args.schedule is not None:
+        canonical_name(args.schedule)
+    if args.microbatches is not None:
+        integer("--microbatches", args.microbatches, 1, MAX_MICROBATCHES, limit="MAX_MICROBATCHES")
+    if args.dp is not None:
+        integer("--dp", args.dp, 1, MAX_DP, limit="MAX_DP")
+    if args.stages is not None:
+        integer("--stages", args.stages, 1, MAX_STAGES, limit="MAX_STAGES")
+    if args.stages_per_rank is not None:
+        integer("--stages-per-rank", args.stages_per_rank, 1, MAX_STAGES, limit="MAX_STAGES")
+    if args.scale_blocks is not None:
+        integer("--scale-blocks", args.scale_blocks, 1, MAX_LAYERS - 2, limit="MAX_LAYERS - 2")
+    number("--cost-scale", args.cost_scale, positive=True)
+    number("--params-scale", args.params_scale, positive=True)
+    number("--noise", args.noise, 0, MAX_NOISE)
+    choice("--when", args.when, WHEN)
+    integer("--every", args.every, 1, MAX_STEPS, limit="MAX_STEPS")
+    integer("--window", args.window, 1, MAX_STEPS, limit="MAX_STEPS")
+    integer("--horizon", args.horizon, 1, 10**9)
+    number("--min-gain", args.min_gain)
+    number("--repack-tolerance", args.repack_tolerance)
+    number("--mig-bandwidth", args.mig_bandwidth, positive=True, allow_inf=True)
+    number("--mig-fixed", args.mig_fixed)
+    number("--comm", args.comm)
+    number("--op-overhead", args.op_overhead)
+    if args.allreduce_bandwidth is not None:
+        number("--allreduce-bandwidth", args.allreduce_bandwidth, positive=True)
+    number("--allreduce-latency", args.allreduce_latency)
+    if args.policies is None:
+        return None
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not policies:
+        raise InputError("--policies is empty; give e.g. uniform,optimal,oracle")
+    for p in policies:
+        parse_policy(p)
+    return policies
+
+
+def _check_replay_size(trace, policies: list[str], schedule: str, stages: int, microbatches: int) -> None:
+    """The replay's work and kept series within the limits; balancers within theirs."""
+    from dynmo.sim.replay import parse_policy
+
+    n, steps = trace.num_layers, len(trace.steps)
+    k = len(set(policies) | {"uniform"})  # static uniform is replayed as the speedups' reference
+    if stages > MAX_STAGES:
+        raise InputError(f"{stages} stages is over the limit MAX_STAGES = {MAX_STAGES}; give --stages")
+    if stages > n:
+        raise SimInputError(f"cannot split {n} layers into {stages} stages; scale the trace to more blocks "
+                            "(--scale-blocks) or use fewer stages")
+    check_cells(schedule, stages, microbatches)
+    cells = stages * microbatches
+    ops = k * steps * cells
+    if ops > MAX_REPLAY_OPS:
+        raise InputError(f"{k} policies x {steps} steps x {stages} stages x {microbatches} microbatches = {ops:.3g} "
+                         f"is over the limit MAX_REPLAY_OPS = {MAX_REPLAY_OPS:.0e}; replay fewer steps, "
+                         "policies (--policies) or microbatches")
+    series = k * steps * stages
+    if series > MAX_REPLAY_SERIES:
+        raise InputError(f"{k} policies x {steps} steps x {stages} stages = {series:.3g} is over the limit "
+                         f"MAX_REPLAY_SERIES = {MAX_REPLAY_SERIES:.0e}; replay fewer steps, policies or stages")
+    bases = {parse_policy(p)[0] for p in policies}
+    if bases - {"uniform"} and n * stages > MAX_LAYER_STAGES:
+        raise InputError(f"{n} layers x {stages} stages = {n * stages} is over the balancers' limit "
+                         f"MAX_LAYER_STAGES = {MAX_LAYER_STAGES}; use fewer layers or stages")
+    if bases & {"params", "deepspeed"}:
+        try:
+            check_deepspeed_size(n, stages)
+        except BalanceError as e:
+            raise InputError(f"policy params/deepspeed: {e}; leave it out of --policies") from None
 
 
 def _replay_main(args: argparse.Namespace) -> int:
     from dynmo.sim.replay import ReplayOptions, default_policies, replay, replay_balance, summary_table, trace_summary
     from dynmo.sim.trace import load_trace, scale_trace
 
+    asked = _check_replay_args(args)
     trace = load_trace(args.trace)
     if args.scale_blocks:
         trace = scale_trace(trace, args.scale_blocks, cost_scale=args.cost_scale,
@@ -169,11 +360,17 @@ def _replay_main(args: argparse.Namespace) -> int:
         p2p=args.p2p or "eager", allreduce_bandwidth=args.allreduce_bandwidth,
         allreduce_latency=args.allreduce_latency,
     )
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else default_policies(trace, opts)
-    results = replay(trace, args.stages, args.dp, policies, opts)
+    policies = asked or default_policies(trace, opts)
+    h = trace.header
+    stages = args.stages or h.pp * h.virtual_stages
+    _check_replay_size(trace, policies, canonical_name(args.schedule or h.schedule), stages,
+                       args.microbatches or h.microbatches)
+    with np.errstate(all="ignore"):
+        results = replay(trace, stages, args.dp, policies, opts)
     info = trace_summary(trace)
     shape = _shape(trace, results, args, opts)
     notes = _missing(trace, opts, shape)
+    dumps([info, shape, [r.as_dict(per_step=False) for r in results]])  # NonFiniteError if a result overflowed
     plots = []
     if args.plots:
         from dynmo.sim.plots import write_plots
@@ -183,7 +380,7 @@ def _replay_main(args: argparse.Namespace) -> int:
     if args.json:
         doc = {"trace": info, "replay": shape, "not_modelled": notes, "plots": plots,
                "policies": [r.as_dict() for r in results]}
-        print(json.dumps(doc, indent=args.indent or None))
+        write_json(doc, indent=args.indent or None)
         return 0
     print(f"trace: {args.trace} ({info['source']}), case {info['case']}, {info['layers']} layers, "
           f"{info['steps']} steps, dynamism at steps {info['dynamism_steps'] or 'none'}")

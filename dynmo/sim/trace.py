@@ -30,11 +30,27 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from dynmo.jsonio import MAX_INPUT_BYTES, InputError, is_int, is_number, loads
 from dynmo.loop import BYTES_PER_PARAM
 from dynmo.record import StepRecord
 
 FORMAT = "dynmo-trace"
 VERSION = 1
+
+# Limits on what a trace (or a run folder's metrics.jsonl) and the simulator may ask for;
+# docs/simulator.md, "Limits and exit codes", gives the memory of the worst allowed inputs.
+MAX_TRACE_BYTES = 64 * 2**20  # file size
+# strings, lists and objects in the file (counted from the text before parsing, as `"` / 2 plus
+# `[` and `{`): each costs ~60-100 bytes once parsed, so these bound the parsed size
+MAX_TRACE_ITEMS = 4_000_000
+MAX_STEPS = 100_000
+MAX_LAYERS = 100_000
+MAX_TRACE_CELLS = 4_000_000  # steps x layers, also after scaling
+MAX_STAGES = 4_096  # pipeline stages (pp x virtual stages)
+MAX_MICROBATCHES = 100_000  # per step
+MAX_DP = 1_000_000  # data-parallel replicas
+MAX_NOISE = 5.0  # scale_trace's lognormal sigma (exp(5) spreads the costs 150x already)
+MAX_COUNT = 2**53  # parameters, bytes, tokens: exact in a float64
 
 
 class TraceError(ValueError):
@@ -68,22 +84,56 @@ class TraceHeader:
         return {"format": FORMAT, "version": VERSION, **asdict(self)}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TraceHeader":
+    def from_dict(cls, d: dict, where: str = "trace header") -> "TraceHeader":
+        if not isinstance(d, dict):
+            raise TraceError(f"{where}: the first line must be a JSON object (the trace header)")
         if d.get("format") != FORMAT:
-            raise TraceError(f"not a dynmo trace: the first line's format is {d.get('format')!r}, want {FORMAT!r}")
-        if int(d.get("version", 0)) > VERSION:
-            raise TraceError(f"trace version {d['version']} is newer than this dynmo reads ({VERSION}); upgrade dynmo")
+            raise TraceError(f"not a dynmo trace: the first line's format is {_show(d.get('format'))}, want {FORMAT!r}")
+        version = d.get("version", 0)
+        if not is_int(version):
+            raise TraceError(f"{where}: version must be an integer, got {_show(version)}")
+        if version > VERSION:
+            raise TraceError(f"trace version {version} is newer than this dynmo reads ({VERSION}); upgrade dynmo")
         known = {f for f in cls.__dataclass_fields__}
         missing = {"layers", "kinds", "params", "microbatches", "pp", "dp", "schedule"} - set(d)
         if missing:
             raise TraceError(f"trace header lacks {sorted(missing)}")
-        h = cls(**{k: v for k, v in d.items() if k in known and k != "layer_bytes"},
-                layer_bytes=d.get("layer_bytes") or [BYTES_PER_PARAM * int(p) for p in d["params"]])
-        n = len(h.layers)
-        for name in ("kinds", "params", "layer_bytes"):
-            if len(getattr(h, name)) != n:
-                raise TraceError(f"trace header: {name} has {len(getattr(h, name))} entries for {n} layers")
+        kw = {k: v for k, v in d.items() if k in known and k != "layer_bytes"}
+        n = _length("layers", d["layers"], where)
+        params = _ints("params", d["params"], n, where)
+        lb = d.get("layer_bytes")
+        kw["layer_bytes"] = [BYTES_PER_PARAM * x for x in params] if lb is None or lb == [] else lb
+        h = cls(**kw)
+        h.check(where)
         return h
+
+    def check(self, where: str = "trace header") -> None:
+        """TraceError naming the first field of a bad type, size or range."""
+        n = _length("layers", self.layers, where)
+        if not all(isinstance(x, str) for x in self.layers):
+            raise TraceError(f"{where}: layers must be a list of layer names (strings)")
+        if not isinstance(self.kinds, list) or not all(isinstance(x, str) for x in self.kinds):
+            raise TraceError(f"{where}: kinds must be a list of strings (E, t, L)")
+        if len(self.kinds) != n:
+            raise TraceError(f"trace header: kinds has {len(self.kinds)} entries for {n} layers")
+        _ints("params", self.params, n, where)
+        _ints("layer_bytes", self.layer_bytes, n, where)
+        _int_field("microbatches", self.microbatches, 1, MAX_MICROBATCHES, where)
+        _int_field("pp", self.pp, 1, MAX_STAGES, where)
+        _int_field("dp", self.dp, 1, MAX_DP, where)
+        _int_field("virtual_stages", self.virtual_stages, 1, MAX_STAGES, where)
+        if self.tokens_per_microbatch is not None:
+            _int_field("tokens_per_microbatch", self.tokens_per_microbatch, 0, MAX_COUNT, where)
+        for name in ("schedule", "case", "source"):
+            if not isinstance(getattr(self, name), str):
+                raise TraceError(f"{where}: {name} must be a string, got {_show(getattr(self, name))}")
+        if not isinstance(self.config, dict):
+            raise TraceError(f"{where}: config must be a JSON object, got {_show(self.config)}")
+        model = self.config.get("model", {})
+        if not isinstance(model, dict):
+            raise TraceError(f"{where}: config.model must be a JSON object, got {_show(model)}")
+        if model.get("seq_len") is not None:
+            _int_field("config.model.seq_len", model["seq_len"], 0, MAX_COUNT, where)
 
     @classmethod
     def from_config(cls, cfg: dict, params: Iterable[int], pp: int, dp: int, source: str = "train") -> "TraceHeader":
@@ -148,26 +198,40 @@ class TraceStep:
         return d
 
     @classmethod
-    def from_record(cls, rec: StepRecord) -> "TraceStep":
+    def from_record(cls, rec: StepRecord, where: str | None = None) -> "TraceStep":
         """From the run's record of the step (or a metrics.jsonl line read with `StepRecord.from_json`)."""
+        where = where or f"metrics record of step {_show(rec.step)}"
         if not rec.layer_fwd_s or not rec.layer_bwd_s:
-            raise TraceError(f"metrics record of step {rec.step} lacks layer_fwd_s/layer_bwd_s: per-layer timing "
+            raise TraceError(f"{where} lacks layer_fwd_s/layer_bwd_s: per-layer timing "
                              "is off (balance.profile = false?)")
+        if not isinstance(rec.layer_fwd_s, list):
+            raise TraceError(f"{where}: layer_fwd_s must be a list of numbers, got {_show(rec.layer_fwd_s)}")
         n = len(rec.layer_fwd_s)
-        return cls(
+        lists = {"fwd": rec.layer_fwd_s, "bwd": rec.layer_bwd_s, "wgrad": rec.layer_wgrad_s or None,
+                 "state_bytes": rec.layer_state_bytes or None, "cost": rec.layer_cost_s or None}
+        for name, v in lists.items():
+            if v is not None:
+                _times(name, v, n, where)
+        if rec.microbatches and not is_int(rec.microbatches):
+            raise TraceError(f"{where}: microbatches must be an integer, got {_show(rec.microbatches)}")
+        if not is_int(rec.step):
+            raise TraceError(f"{where}: step must be an integer, got {_show(rec.step)}")
+        stats = rec.stats if isinstance(rec.stats, dict) else {}
+        step = cls(
             step=int(rec.step),
             fwd=[float(x) for x in rec.layer_fwd_s],
             bwd=[float(x) for x in rec.layer_bwd_s],
             wgrad=[float(x) for x in rec.layer_wgrad_s] if rec.layer_wgrad_s else None,
-            layout=list(rec.layout) if rec.layout else None,
+            layout=(list(rec.layout) if isinstance(rec.layout, list) else rec.layout) if rec.layout else None,
             iteration_s=rec.iteration_s,
             step_s=rec.step_s,
-            events=list(rec.events),
-            stats={k: v for k, v in rec.stats.items() if isinstance(v, list) and len(v) == n},
+            events=list(rec.events) if isinstance(rec.events, list) else rec.events,
+            stats={k: v for k, v in stats.items() if isinstance(v, list) and len(v) == n},
             microbatches=int(rec.microbatches) if rec.microbatches else None,
             state_bytes=[float(x) for x in rec.layer_state_bytes] if rec.layer_state_bytes else None,
             cost=[float(x) for x in rec.layer_cost_s] if rec.layer_cost_s else None,
         )
+        return _check_step(step, n, where)
 
 
 @dataclass
@@ -220,15 +284,89 @@ class Trace:
 
 
 def _check_step(s: TraceStep, n: int, where: str) -> TraceStep:
+    """TraceError naming the first field of a bad type, length or range."""
+    if not is_int(s.step):
+        raise TraceError(f"{where}: step must be an integer, got {_show(s.step)}")
     for name in ("fwd", "bwd", "wgrad", "state_bytes", "cost"):
         v = getattr(s, name)
-        if v is None:
+        if v is None and name not in ("fwd", "bwd"):
             continue
-        if len(v) != n:
-            raise TraceError(f"{where}: {name} has {len(v)} values for {n} layers")
-        if not all(math.isfinite(x) and x >= 0 for x in v):
-            raise TraceError(f"{where}: {name} times must be finite and >= 0")
+        _times(name, v, n, where)
+    if s.layout is not None:
+        if not isinstance(s.layout, list) or not all(is_int(b) for b in s.layout) or len(s.layout) > n + 1:
+            raise TraceError(f"{where}: layout must be null or a list of at most {n + 1} integer boundaries")
+    for name in ("iteration_s", "step_s"):
+        v = getattr(s, name)
+        if v is not None and not (is_number(v) and _finite(v) and v >= 0):
+            raise TraceError(f"{where}: {name} must be null or seconds (a finite number >= 0), got {_show(v)}")
+    if not isinstance(s.events, list) or not all(isinstance(e, dict) for e in s.events):
+        raise TraceError(f"{where}: events must be a list of JSON objects, got {_show(s.events)}")
+    if not isinstance(s.stats, dict):
+        raise TraceError(f"{where}: stats must be a JSON object of per-layer lists, got {_show(s.stats)}")
+    for k, v in s.stats.items():
+        if not isinstance(v, list) or len(v) != n:
+            raise TraceError(f"{where}: stats[{k!r:.40}] must be a list with one entry per layer ({n})")
+    if s.microbatches is not None:
+        _int_field("microbatches", s.microbatches, 1, MAX_MICROBATCHES, where)
     return s
+
+
+def _show(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def _finite(x: Any) -> bool:
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int beyond float range
+        return False
+
+
+def _length(name: str, v: Any, where: str) -> int:
+    if not isinstance(v, list) or not v:
+        raise TraceError(f"{where}: {name} must be a non-empty list, got {_show(v)}")
+    if len(v) > MAX_LAYERS:
+        raise TraceError(f"{where}: {len(v)} layers is over the limit MAX_LAYERS = {MAX_LAYERS}")
+    return len(v)
+
+
+def _int_field(name: str, v: Any, lo: int, hi: int, where: str) -> int:
+    if not is_int(v):
+        raise TraceError(f"{where}: {name} must be an integer, got {_show(v)}")
+    if v < lo:
+        raise TraceError(f"{where}: {name} must be >= {lo}, got {v}")
+    if v > hi:
+        raise TraceError(f"{where}: {name} = {v} is over the limit {hi}")
+    return int(v)
+
+
+def _ints(name: str, v: Any, n: int, where: str) -> list:
+    """A list of n integers in [0, MAX_COUNT]."""
+    if not isinstance(v, list) or len(v) != n:
+        got = f"{len(v)} entries" if isinstance(v, list) else _show(v)
+        raise TraceError(f"{where}: {name} must be a list of {n} integers (one per layer), got {got}")
+    for i, x in enumerate(v):
+        if not is_int(x) or not 0 <= x <= MAX_COUNT:
+            raise TraceError(f"{where}: {name}[{i}] = {_show(x)}; give integers from 0 to 2^53")
+    return v
+
+
+def _times(name: str, v: Any, n: int, where: str) -> None:
+    """A list of n finite numbers >= 0 (not booleans)."""
+    if not isinstance(v, list):
+        raise TraceError(f"{where}: {name} must be a list of {n} numbers (one per layer), got {_show(v)}")
+    if len(v) != n:
+        raise TraceError(f"{where}: {name} has {len(v)} values for {n} layers")
+    if all(type(x) is float for x in v):
+        a = np.asarray(v, dtype=float)
+        if bool(np.isfinite(a).all()) and bool((a >= 0).all()):
+            return
+    for i, x in enumerate(v):
+        if not is_number(x):
+            raise TraceError(f"{where}: {name}[{i}] = {_show(x)} is not a number")
+        if not (_finite(x) and x >= 0):
+            raise TraceError(f"{where}: {name} times must be finite and >= 0; {name}[{i}] = {_show(x)}")
 
 
 # ---- writing ----------------------------------------------------------------------------
@@ -269,53 +407,151 @@ class TraceWriter:
 
 
 def load_trace(path: str | Path) -> Trace:
-    """Read a trace file; a run folder (with metrics.jsonl) is converted on the fly."""
+    """Read a trace file; a run folder (with metrics.jsonl) is converted on the fly.
+
+    Every value is checked (TraceError naming the line and field), and the file must stay within
+    MAX_TRACE_BYTES, MAX_TRACE_ITEMS, MAX_STEPS, MAX_LAYERS and MAX_TRACE_CELLS."""
     p = Path(path)
     if p.is_dir():
         return trace_from_metrics(p)
-    try:
-        lines = [ln for ln in p.read_text().splitlines() if ln.strip()]
-    except OSError as e:
-        raise TraceError(f"cannot read trace {p}: {e.strerror}") from None
-    if not lines:
-        raise TraceError(f"{p} is empty")
-    try:
-        docs = [json.loads(ln) for ln in lines]
-    except json.JSONDecodeError as e:
-        raise TraceError(f"{p}: not JSON Lines ({e})") from None
-    header = TraceHeader.from_dict(docs[0])
-    n = header.num_layers
+    header: TraceHeader | None = None
+    steps: list[TraceStep] = []
     fields = set(TraceStep.__dataclass_fields__)
-    steps = [_check_step(TraceStep(**{k: v for k, v in d.items() if k in fields}), n, f"{p} line {i + 2}")
-             for i, d in enumerate(docs[1:])]
+    for lineno, doc in _jsonl(p):
+        where = f"{p} line {lineno}"
+        if header is None:
+            header = TraceHeader.from_dict(doc, where)
+            continue
+        if not isinstance(doc, dict):
+            raise TraceError(f"{where}: a step must be a JSON object, got {_show(doc)}")
+        missing = {"step", "fwd", "bwd"} - set(doc)
+        if missing:
+            raise TraceError(f"{where}: the step lacks {sorted(missing)}")
+        kw = {k: v for k, v in doc.items() if k in fields and not (k in ("events", "stats") and v is None)}
+        steps.append(_check_step(TraceStep(**kw), header.num_layers, where))
+        check_size(len(steps), header.num_layers, where)
+    if header is None:
+        raise TraceError(f"{p} is empty")
     if not steps:
         raise TraceError(f"{p} has a header but no steps")
     return Trace(header, steps)
+
+
+def check_size(steps: int, layers: int, where: str = "trace") -> None:
+    """TraceError when a trace of this shape is over MAX_STEPS, MAX_LAYERS or MAX_TRACE_CELLS."""
+    if steps > MAX_STEPS:
+        raise TraceError(f"{where}: more than MAX_STEPS = {MAX_STEPS} steps; replay a slice of the run")
+    if layers > MAX_LAYERS:
+        raise TraceError(f"{where}: {layers} layers is over the limit MAX_LAYERS = {MAX_LAYERS}")
+    if steps * layers > MAX_TRACE_CELLS:
+        raise TraceError(f"{where}: {steps} steps x {layers} layers is over the limit MAX_TRACE_CELLS = "
+                         f"{MAX_TRACE_CELLS}; replay fewer steps or fewer layers")
+
+
+def _jsonl(p: Path):
+    """(line number, parsed value) of each non-blank line, within MAX_TRACE_BYTES and MAX_TRACE_ITEMS."""
+    try:
+        f = open(p, "rb")
+    except (OSError, ValueError) as e:
+        raise TraceError(f"cannot read trace {p}: {getattr(e, 'strerror', None) or e}") from None
+    with f:
+        budget, items, lineno = MAX_TRACE_BYTES, 0, 0
+        while True:
+            try:
+                raw = f.readline(budget + 1)
+            except OSError as e:
+                raise TraceError(f"cannot read trace {p}: {e.strerror or e}") from None
+            if not raw:
+                return
+            lineno += 1
+            budget -= len(raw)
+            if budget < 0:
+                raise TraceError(f"{p} is larger than the limit MAX_TRACE_BYTES = {MAX_TRACE_BYTES} bytes "
+                                 f"({MAX_TRACE_BYTES >> 20} MiB); replay a slice of the run")
+            if not raw.strip():
+                continue
+            items += raw.count(b'"') // 2 + raw.count(b"[") + raw.count(b"{")
+            if items > MAX_TRACE_ITEMS:
+                raise TraceError(f"{p} has more than MAX_TRACE_ITEMS = {MAX_TRACE_ITEMS} strings, lists and "
+                                 f"objects (by line {lineno}); replay a slice of the run")
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise TraceError(f"{p} line {lineno} is not UTF-8 text; give a trace (JSON Lines)") from None
+            try:
+                yield lineno, loads(text, f"{p} line {lineno}")
+            except InputError as e:
+                raise TraceError(str(e)) from None
 
 
 def trace_from_metrics(run_dir: str | Path, params: Iterable[int] | None = None) -> Trace:
     """Convert a finished (or running) run's `metrics.jsonl` + `config.toml` into a trace.
 
     Parameter counts come from `params` if given, else from the first step's `layer_params`
-    (what the model had when the run started)."""
+    (what the model had when the run started). The same checks and limits as `load_trace`."""
     d = Path(run_dir)
     mpath, cpath = d / "metrics.jsonl", d / "config.toml"
     if not mpath.is_file() or not cpath.is_file():
         raise TraceError(f"{d} is not a run folder: need metrics.jsonl and config.toml (written by dynmo train --out)")
-    cfg = tomllib.loads(cpath.read_text())
-    recs = [StepRecord.from_json(json.loads(ln)) for ln in mpath.read_text().splitlines() if ln.strip()]
-    if not recs:
+    try:
+        cfg = tomllib.loads(_small_text(cpath))
+    except tomllib.TOMLDecodeError as e:
+        raise TraceError(f"{cpath} is not valid TOML: {e}") from None
+    first: StepRecord | None = None
+    steps: list[TraceStep] = []
+    for lineno, doc in _jsonl(mpath):
+        where = f"{mpath} line {lineno}"
+        if not isinstance(doc, dict):
+            raise TraceError(f"{where}: a metrics line must be a JSON object, got {_show(doc)}")
+        try:
+            rec = StepRecord.from_json(doc)
+        except TypeError as e:
+            raise TraceError(f"{where}: not a metrics record ({e})") from None
+        first = first or rec
+        steps.append(TraceStep.from_record(rec, where))
+        check_size(len(steps), len(steps[0].fwd), where)
+    if first is None:
         raise TraceError(f"{mpath} has no steps yet")
     summary = {}
     if (d / "summary.json").is_file():
-        summary = json.loads((d / "summary.json").read_text())
-    pp, dp = _run_shape(cfg, recs[0], summary)
-    counts = list(params) if params is not None else recs[0].layer_params
+        try:
+            summary = loads(_small_text(d / "summary.json"), str(d / "summary.json"))
+        except InputError as e:
+            raise TraceError(str(e)) from None
+        if not isinstance(summary, dict):
+            raise TraceError(f"{d / 'summary.json'} must be a JSON object")
+    counts = list(params) if params is not None else first.layer_params
     if not counts:
         raise TraceError(f"{mpath} records no layer_params (a run of an older dynmo); pass params= explicitly")
-    header = TraceHeader.from_config(cfg, counts, pp, dp, source="metrics")
-    return Trace(header, [_check_step(TraceStep.from_record(r), header.num_layers, f"{mpath} step {r.step}")
-                          for r in recs])
+    _ints("layer_params", counts, len(counts), f"{mpath} line 1")
+    try:
+        pp, dp = _run_shape(cfg, first, summary)
+        header = TraceHeader.from_config(cfg, counts, pp, dp, source="metrics")
+    except TraceError:
+        raise
+    except (TypeError, ValueError, AttributeError, OverflowError) as e:
+        raise TraceError(f"{cpath}: a value has the wrong type or range for a dynmo config ({e})") from None
+    header.check(str(cpath))
+    n = header.num_layers
+    for st in steps:
+        if len(st.fwd) != n:
+            raise TraceError(f"{mpath} step {st.step}: fwd has {len(st.fwd)} values for {n} layers")
+    return Trace(header, steps)
+
+
+def _small_text(path: Path) -> str:
+    """A config or summary file, at most MAX_INPUT_BYTES."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_INPUT_BYTES + 1)
+    except OSError as e:
+        raise TraceError(f"cannot read {path}: {e.strerror or e}") from None
+    if len(data) > MAX_INPUT_BYTES:
+        raise TraceError(f"{path} is larger than {MAX_INPUT_BYTES >> 20} MiB")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise TraceError(f"{path} is not UTF-8 text") from None
 
 
 def _run_shape(cfg: dict, rec: StepRecord, summary: dict) -> tuple[int, int]:
@@ -386,8 +622,19 @@ def scale_trace(trace: Trace, blocks: int, *, cost_scale: float = 1.0, params_sc
     (they were for another depth); events are kept, so dynamism steps stay where they were.
     """
     h = trace.header
-    if blocks < 1:
-        raise TraceError(f"blocks must be >= 1, got {blocks}")
+    if not is_int(blocks) or blocks < 1:
+        raise TraceError(f"blocks must be an integer >= 1, got {_show(blocks)}")
+    if blocks + 2 > MAX_LAYERS:
+        raise TraceError(f"{blocks} blocks + 2 layers is over the limit MAX_LAYERS = {MAX_LAYERS}")
+    check_size(len(trace.steps), blocks + 2, f"the trace scaled to {blocks} blocks")
+    for name, v, hi in (("cost_scale", cost_scale, None), ("params_scale", params_scale, None),
+                        ("noise", noise, MAX_NOISE)):
+        if not is_number(v) or not _finite(v) or v < 0 or (name != "noise" and v == 0) or (hi and v > hi):
+            rng = f"from 0 to {hi}" if hi else "> 0"
+            raise TraceError(f"{name} must be a finite number {rng}, got {_show(v)}")
+    if max(max(h.params), max(h.layer_bytes)) * params_scale > MAX_COUNT:
+        raise TraceError(f"params_scale = {params_scale:g} makes a layer's parameters or bytes exceed 2^53; "
+                         "use a smaller params_scale")
     kinds = h.kinds
     block_idx = [i for i, k in enumerate(kinds) if k == "t"]
     if not block_idx or kinds[0] != "E" or kinds[-1] != "L" or len(block_idx) != len(kinds) - 2:
