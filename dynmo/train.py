@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from dynmo import checks, plan, rundir
 from dynmo.config import Config, ConfigError, load_config, to_toml
@@ -290,11 +291,9 @@ def _folder_verdict(cfg: Config, ctx: rdist.DistContext, restart: int) -> str:
 
 
 def _is_peer_failure(e: BaseException) -> bool:
-    if isinstance(e, dist.DistError):
-        return True
-    text = str(e)
-    return isinstance(e, RuntimeError) and any(s in text for s in ("Timed out", "Connection closed", "Connection reset",
-                                                                     "timed out", "Broken pipe", "connection"))
+    """A collective or point-to-point operation failed because a peer died or stopped answering
+    (also inside a checkpoint save, which DCP reports as its own exception)."""
+    return isinstance(e, dist.DistError) or any(s in str(e) for s in checkpoint.PEER_FAILURES)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -333,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     except (Diverged, checkpoint.CheckpointWriteError) as e:
         print(f"dynmo: error: rank {ctx.rank}: {e}", file=sys.stderr, flush=True)
         return 1
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
         if not _is_peer_failure(e):
             raise
         silent = heartbeat.diagnose() if heartbeat else ""

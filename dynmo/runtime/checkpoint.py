@@ -70,6 +70,10 @@ def _fill_tied_copy(pipe: Pipeline) -> None:
         pipe.optimizer.state[ph] = {k: v.clone() for k, v in pipe.optimizer.state[pe].items()}
 
 
+# what torch.distributed's errors say when a peer died or stopped answering
+PEER_FAILURES = ("Timed out", "timed out", "Connection closed", "Connection reset", "Broken pipe", "Connection refused")
+
+
 class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written (e.g. the disk is full); the message says which
     complete checkpoint is left."""
@@ -132,6 +136,8 @@ def save(pipe: Pipeline, path: Path, step: int, cfg: Config, cases: dict | None 
             # torch's file writer reports a full disk as a short write, not always as ENOSPC
             raise CheckpointWriteError(f"no space left on device while writing {path} ({free / 1e6:.1f} MB free); "
                                        f"{left}") from e
+        if not isinstance(e, OSError) and any(s in str(e) for s in PEER_FAILURES):
+            raise  # a peer stopped answering during the save: the caller names it
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         raise CheckpointWriteError(f"cannot write {path}: {first}; {left}") from e
     dist.barrier(group=group)
