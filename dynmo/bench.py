@@ -47,10 +47,10 @@ from pathlib import Path
 
 from dynmo.balance import Problem, balance
 from dynmo.layout import Layout
+from dynmo.sim.replay import PROFILE_STEPS  # profile-once: the median cost of steps 1..5 (step 0 warms up)
 
 ROOT = Path(__file__).resolve().parents[1]
 DENSE = "configs/default.toml"
-PROFILE_STEPS = 5  # profile-once: the median cost of steps 1..5 (step 0 is the warm-up)
 
 
 @dataclass(frozen=True)
@@ -143,11 +143,13 @@ def oracle_bound(recs: list[dict]) -> float:
 
 
 def profile_once_layout(recs: list[dict]) -> list[int]:
-    """The optimal layout for the per-layer costs of the first steps after warm-up (median)."""
+    """The replay's profile-once policy on a real run: the optimal layout for the median per-layer
+    costs of the first steps after warm-up."""
+    from dynmo.sim.replay import profile_once_layout as optimal_for
+
     early = [r["layer_cost_s"] for r in recs[1 : 1 + PROFILE_STEPS]] or [recs[0]["layer_cost_s"]]
     costs = [statistics.median(col) for col in zip(*early)]
-    stages = Layout(tuple(recs[0]["layout"])).num_stages
-    return list(balance(Problem(costs=costs, stages=stages), "optimal").boundaries)
+    return list(optimal_for(costs, Layout(tuple(recs[0]["layout"])).num_stages).boundaries)
 
 
 def final_val(recs: list[dict]) -> float | None:

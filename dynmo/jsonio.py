@@ -59,8 +59,8 @@ def loads(text: str, where: str) -> Any:
         raise InputError(f"{where}: an integer has too many digits; write large numbers as floats (1e30)") from None
 
 
-def read_text(path: str, max_bytes: int | None = None) -> str:
-    """The text of `path` (or stdin for "-"), refusing more than `max_bytes` (MAX_INPUT_BYTES) bytes."""
+def read_bytes(path: str, max_bytes: int | None = None) -> bytes:
+    """The bytes of `path` (or stdin for "-"), refusing more than `max_bytes` (MAX_INPUT_BYTES)."""
     max_bytes = MAX_INPUT_BYTES if max_bytes is None else max_bytes
     try:
         if path == "-":
@@ -73,6 +73,13 @@ def read_text(path: str, max_bytes: int | None = None) -> str:
     if len(data) > max_bytes:
         raise InputError(f"{path} is larger than the limit MAX_INPUT_BYTES = {max_bytes} bytes "
                          f"({max_bytes / 2**20:g} MiB); give a smaller file")
+    return data
+
+
+def read_text(path: str, max_bytes: int | None = None) -> str:
+    """The text of `path` (or stdin for "-"), refusing more than `max_bytes` (MAX_INPUT_BYTES) bytes
+    or MAX_INPUT_ITEMS strings, lists and objects."""
+    data = read_bytes(path, max_bytes)
     items = data.count(b'"') // 2 + data.count(b"[") + data.count(b"{")
     if items > MAX_INPUT_ITEMS:
         raise InputError(f"{path} has more than MAX_INPUT_ITEMS = {MAX_INPUT_ITEMS} strings, lists and objects; "

@@ -30,7 +30,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from dynmo.jsonio import MAX_INPUT_BYTES, InputError, is_int, is_number, loads
+from dynmo.jsonio import InputError, is_int, is_number, loads, read_bytes
 from dynmo.loop import BYTES_PER_PARAM
 from dynmo.record import StepRecord
 
@@ -540,14 +540,11 @@ def trace_from_metrics(run_dir: str | Path, params: Iterable[int] | None = None)
 
 
 def _small_text(path: Path) -> str:
-    """A config or summary file, at most MAX_INPUT_BYTES."""
+    """A config or summary file, at most `dynmo.jsonio.MAX_INPUT_BYTES`."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_INPUT_BYTES + 1)
-    except OSError as e:
-        raise TraceError(f"cannot read {path}: {e.strerror or e}") from None
-    if len(data) > MAX_INPUT_BYTES:
-        raise TraceError(f"{path} is larger than {MAX_INPUT_BYTES >> 20} MiB")
+        data = read_bytes(str(path))
+    except InputError as e:
+        raise TraceError(str(e)) from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
