@@ -213,7 +213,8 @@ def test_no_process_outlives_a_killed_launcher(tmp_path, how):
 
 
 def test_a_hung_rank_ends_the_job_naming_it(tmp_path):
-    proc = _start(tmp_path, "--steps", "100000", "--parallel.timeout_s", "5", "--checkpoint.every", "2")
+    # the timeout is well above any healthy wait on a slow, busy machine; the stopped rank never answers
+    proc = _start(tmp_path, "--steps", "100000", "--parallel.timeout_s", "15", "--checkpoint.every", "2")
     try:
         _wait_for_steps(tmp_path, proc, 3)
         pid = _rank_pid(tmp_path, 1)
@@ -270,6 +271,19 @@ def _agent(out: Path, nproc: int, port: int, *args: str) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
+def _wait_for_listener(port: int, proc: subprocess.Popen, limit: float = 120) -> None:
+    import socket
+
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        assert proc.poll() is None, proc.communicate()
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"nothing listens on port {port} after {limit} s")
+
+
 def _free_port() -> int:
     import socket
 
@@ -285,7 +299,7 @@ def test_elastic_restart_on_the_surviving_agent(tmp_path):
     out, port = tmp_path / "run", _free_port()
     args = ["--steps", "24", "--checkpoint.every", "4", "--max-restarts", "2", "--parallel.timeout_s", "20"]
     first = _agent(out, 2, port, *args)
-    time.sleep(1.0)  # the first agent hosts the rendezvous
+    _wait_for_listener(port, first)  # the first agent hosts the rendezvous: the one that survives
     second = _agent(out, 1, port, *args)
     try:
         end = time.monotonic() + 240
