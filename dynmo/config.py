@@ -170,7 +170,9 @@ class NoiseConfig:
     What a loaded machine does to a run, reproducibly: layers take longer by real CPU work
     after their forward (the model's math is unchanged). The slowdowns multiply; every one
     is drawn from `seed`, the step, the microbatch and the layer or the process, so the same
-    config draws the same slowdowns on any machine and under any layout.
+    config draws the same slowdowns on any machine and under any layout. The injected link
+    delay (below) is what a slow link between two pipeline ranks does. Nothing here acts
+    unless `enabled` is true.
     """
 
     enabled: bool = False
@@ -182,6 +184,12 @@ class NoiseConfig:
     slow_factor: float = 1.5  # in a slow phase every layer on slow_rank takes this many times its time
     slow_every: int = 0  # a slow phase starts at step 0 and every slow_every steps ...
     slow_steps: int = 0  # ... and lasts slow_steps steps
+    # Injected link delay: before each activation or gradient send of a microbatch on the link
+    # between pipeline ranks j and j+1, the sending rank waits link_delay_ms[j] milliseconds
+    # (a sleep: real waiting, not compute). One value per link (pp - 1); [] = none. The
+    # start-up link probe sends through the same wait; layer migrations are not delayed.
+    link_delay_ms: list[float] = field(default_factory=list)
+    link_delay_direction: str = "both"  # which sends wait: both | forward (activations) | backward (gradients)
 
 
 @dataclass
@@ -196,6 +204,12 @@ class PruneConfig:
     final_sparsity: float = 0.9  # S_f
     structured: bool = False  # remove whole MLP rows/columns (dense matrices shrink) instead of single weights
     kernel: str = "auto"  # auto (measure per layer) | dense (masked dense) | csr (torch sparse CSR)
+    # What the one global cut ranks: magnitude (raw |w|, torch's global_unstructured) |
+    # normalized (|w| / its tensor's RMS) | lamp (layer-adaptive magnitude, Lee et al. 2021)
+    scoring: str = "magnitude"
+    # Every pruned tensor (structured: every block's MLP) keeps at least this fraction; the global
+    # cut shares out the rest. 0 = no floor (the masks of torch's global_unstructured).
+    min_density: float = 0.02
 
 
 @dataclass

@@ -1,18 +1,24 @@
 """Gradual global magnitude pruning: the schedule, the distributed global mask against
-torch.nn.utils.prune.global_unstructured, the CSR kernel against masked dense, and the real
-launcher end to end (pruned weights stay zero through training and migration, densities and
-counted per-layer work in the metrics, structured pruning shrinks the matrices)."""
+torch.nn.utils.prune.global_unstructured (raw magnitudes, and the normalized and LAMP scores
+with and without a per-tensor density floor), the CSR kernel against masked dense, and the
+real launcher end to end (pruned weights stay zero through training and migration, densities
+and counted per-layer work in the metrics, masks independent of the layout and rank count,
+structured pruning shrinks the matrices)."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 import torch.nn.utils.prune as tprune
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from dynmo.config import ConfigError, ModelConfig, PruneConfig
-from dynmo.dynamics.prune import PRUNABLE, check_options, sparsity_at
+from dynmo.dynamics.prune import PRUNABLE, check_options, floor_count, keep_with_floor, scores, sparsity_at
 from dynmo.dynamics.topk import global_keep
 from dynmo.model.layers import LayerSpec, build_layer
 from dynmo.model.sparse import Pattern, _CSRLinear
@@ -28,6 +34,14 @@ def test_cubic_schedule_reaches_the_papers_sparsities():
         check_options(PruneConfig(final_sparsity=1.0))
     with pytest.raises(ConfigError, match="kernel"):
         check_options(PruneConfig(kernel="bsr"))
+    with pytest.raises(ConfigError, match="prune.scoring='l2'"):
+        check_options(PruneConfig(scoring="l2"))
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ConfigError, match="min_density"):
+            check_options(PruneConfig(min_density=bad))
+    with pytest.raises(ConfigError, match="min_density=0.2 cannot hold at prune.final_sparsity=0.9"):
+        check_options(PruneConfig(min_density=0.2, final_sparsity=0.9))
+    check_options(PruneConfig(min_density=0.1, final_sparsity=0.9, scoring="lamp"))
 
 
 def blocks(n=3, d=32):
@@ -70,6 +84,122 @@ def test_global_keep_keeps_exactly_k_with_ties():
     assert sum(int(x.sum()) for x in m) == 4 and bool(m[1][1, 0]) and not bool(m[1][1, 1])
 
 
+def test_ties_at_the_threshold_follow_the_keys_not_the_list_order():
+    a, b = torch.tensor([1.0, 2.0, 2.0]), torch.tensor([2.0, 3.0])
+    ma, mb = global_keep([a, b], 3, keys=[1, 0], num_keys=2)  # b (key 0) gets the first tie
+    assert ma.tolist() == [False, True, False] and mb.tolist() == [True, True]
+    mb2, ma2 = global_keep([b, a], 3, keys=[0, 1], num_keys=2)
+    assert torch.equal(ma, ma2) and torch.equal(mb, mb2)
+
+
+# ---- scoring: the reference computations, written out independently -------------------------
+
+def ref_normalized(w, live):
+    """|w| over the RMS of the tensor's live entries, pruned ones counted as zeros."""
+    m = torch.ones_like(w) if live is None else live.to(w.dtype)
+    scale = float((w.double().square() * m.double()).sum().div(w.numel()).sqrt())
+    return w.abs() / torch.tensor(scale or 1.0, dtype=torch.float32)
+
+
+def ref_lamp(w, live):
+    """LAMP: w_u^2 over the sum of w_v^2 of the live entries ranked at or above u."""
+    a = w.abs().reshape(-1).tolist()
+    alive = [True] * len(a) if live is None else live.reshape(-1).tolist()
+    out, acc = [0.0] * len(a), 0.0
+    for i in sorted((i for i in range(len(a)) if alive[i]), key=lambda i: (a[i], i), reverse=True):
+        acc += a[i] * a[i]
+        out[i] = a[i] * a[i] / acc if acc > 0 else 0.0
+    return torch.tensor(out, dtype=torch.float64).float().view(w.shape)
+
+
+REF = {"magnitude": lambda w, live: w.abs(), "normalized": ref_normalized, "lamp": ref_lamp}
+
+
+def torch_global_scored(weights, ref_scores, amount, old):
+    """torch.nn.utils.prune.global_unstructured over `weights` ranked by `ref_scores`."""
+    lins = [torch.nn.Linear(1, 1) for _ in weights]
+    for lin, w, m in zip(lins, weights, old):
+        lin.weight = torch.nn.Parameter(w.clone())
+        if m is not None:
+            tprune.custom_from_mask(lin, "weight", m)
+    tprune.global_unstructured([(l, "weight") for l in lins], tprune.L1Unstructured, amount=amount,
+                               importance_scores={(l, "weight"): sc for l, sc in zip(lins, ref_scores)})
+    return [l.weight_mask.bool() for l in lins]
+
+
+def random_tensors(seed, shapes, scales):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*sh, generator=g) * sc for sh, sc in zip(shapes, scales)]
+
+
+SHAPES = st.lists(st.tuples(st.integers(1, 12), st.integers(1, 12)), min_size=1, max_size=6)
+SCALES = st.floats(1e-3, 10.0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(scoring=st.sampled_from(["magnitude", "normalized", "lamp"]), shapes=SHAPES, data=st.data(),
+       seed=st.integers(0, 2**31 - 1), sparsities=st.lists(st.floats(0.05, 0.95), min_size=1, max_size=3))
+def test_scored_global_keep_equals_global_unstructured_on_the_reference_scores(scoring, shapes, data, seed, sparsities):
+    ws = random_tensors(seed, shapes, data.draw(st.lists(SCALES, min_size=len(shapes), max_size=len(shapes))))
+    total = sum(w.numel() for w in ws)
+    masks, pruned = [None] * len(ws), 0
+    for s in sorted(sparsities):
+        target = max(pruned, round(s * total))
+        ref_sc = [REF[scoring](w, m) for w, m in zip(ws, masks)]
+        ours = [scores(w.abs(), m, scoring) for w, m in zip(ws, masks)]
+        for a, b, m in zip(ours, ref_sc, masks):  # the same scores on the candidates, -1 elsewhere
+            assert torch.equal(a if m is None else a[m], b if m is None else b[m])
+            assert m is None or bool((a[~m] == -1).all())
+        # no exact tie at the cut (where torch's topk picks arbitrarily)
+        cand = torch.cat([(b if m is None else b[m]).reshape(-1) for b, m in zip(ref_sc, masks)]).sort(descending=True).values
+        k = total - target
+        assume(k == 0 or k == cand.numel() or bool(cand[k - 1] != cand[k]))
+        got = global_keep(ours, k)
+        want = torch_global_scored(ws, ref_sc, target - pruned, masks)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        masks, pruned = got, target
+
+
+@settings(max_examples=60, deadline=None)
+@given(scoring=st.sampled_from(["magnitude", "normalized", "lamp"]), shapes=SHAPES, data=st.data(),
+       seed=st.integers(0, 2**31 - 1), floor=st.floats(0.0, 0.5),
+       sparsities=st.lists(st.floats(0.05, 0.99), min_size=1, max_size=3))
+def test_density_floor_holds_and_the_rest_is_one_global_cut(scoring, shapes, data, seed, floor, sparsities):
+    ws = random_tensors(seed, shapes, data.draw(st.lists(SCALES, min_size=len(shapes), max_size=len(shapes))))
+    total = sum(w.numel() for w in ws)
+    floors = [floor_count(floor, w.numel()) for w in ws]
+    masks, prev = [None] * len(ws), None
+    for s in sorted(sparsities):
+        keep = total - round(s * total)
+        sc = [scores(w.abs(), m, scoring) for w, m in zip(ws, masks)]
+        got, kept = keep_with_floor(sc, keep, floors, keys=list(range(len(ws))), num_keys=len(ws))
+        live = [int(m.sum()) for m in got]
+        assert sum(live) == kept == max(keep, sum(min(f, w.numel() if m is None else int(m.sum()))
+                                                 for f, w, m in zip(floors, ws, masks)))
+        for n, f, w, m in zip(live, floors, ws, masks):  # the floor holds (as far as the live entries allow)
+            assert n >= min(f, w.numel() if m is None else int(m.sum()))
+            assert n >= math.ceil(floor * w.numel() - 1e-6) or (m is not None and n == int(m.sum()))
+        if prev is not None:  # never revived
+            assert all(not bool((g & ~p).any()) for g, p in zip(got, prev))
+        # reference: each tensor's best `floor` candidates, then the best of all the others
+        flat = torch.cat([x.reshape(-1) for x in sc])
+        reserved = torch.zeros_like(flat, dtype=torch.bool)
+        off = 0
+        for x, f in zip(sc, floors):
+            xs = x.reshape(-1).tolist()
+            best = sorted((i for i in range(len(xs)) if xs[i] >= 0), key=lambda i: (-xs[i], i))[:f]
+            reserved[[off + i for i in best]] = True
+            off += x.numel()
+        rest = flat.masked_fill(reserved | (flat < 0), -1.0)
+        n_rest = max(0, min(keep - int(reserved.sum()), int((rest >= 0).sum())))
+        order = rest.sort(descending=True, stable=True)
+        assume(n_rest == 0 or n_rest == int((rest >= 0).sum()) or bool(order.values[n_rest - 1] != order.values[n_rest]))
+        want = reserved.clone()
+        want[order.indices[:n_rest]] = True
+        assert torch.equal(torch.cat([g.reshape(-1) for g in got]), want)
+        masks, prev = got, got
+
+
 @pytest.mark.parametrize("density", [0.05, 0.3])
 def test_csr_kernel_equals_masked_dense_and_leaves_pruned_grads_zero(density):
     torch.manual_seed(0)
@@ -98,6 +228,7 @@ def flat(ckpt, tmp):
 
 PRUNE = ["--prune.enabled", "true", "--prune.start_step", "0", "--prune.every", "3", "--prune.times", "2",
          "--prune.final_sparsity", "0.8"]  # pruning steps 3 (70%) and 6 (80%); step 0 would prune 0%
+MAGNITUDE = ["--prune.scoring", "magnitude", "--prune.min_density", "0"]  # torch's global_unstructured
 NAMES = [f"block{b}.{n}.weight" for b in range(4) for n in PRUNABLE]
 
 
@@ -115,7 +246,7 @@ def reference_masks(weights, amount, old=None):
 @pytest.mark.dist
 def test_distributed_pruning_mask_is_global_unstructured_and_survives_training_and_migration(tmp_path):
     # checkpoint-k holds the weights before step k; a migration at step 5 moves pruned blocks
-    run_train(tmp_path, "--steps", "9", *PRUNE, "--prune.kernel", "auto", "--parallel.relayout", "5:0,2,6",
+    run_train(tmp_path, "--steps", "9", *PRUNE, *MAGNITUDE, "--prune.kernel", "auto", "--parallel.relayout", "5:0,2,6",
               "--checkpoint.every", "3")
     recs = metrics(tmp_path)
     assert [r["step"] for r in recs if any(e["type"] == "dynamism" for e in r["events"])] == [3, 6]
@@ -142,9 +273,49 @@ def test_distributed_pruning_mask_is_global_unstructured_and_survives_training_a
     assert all(k in (0.0, 1.0) for k in recs[-1]["prune_kernel"][1:-1])
     assert all(t > 0 for t in recs[-1]["prune_dense_ms"][1:-1] + recs[-1]["prune_csr_ms"][1:-1])
     # resuming restores the masks from the saved zeros (then prunes again at step 6): same run
-    run_train(tmp_path / "resumed", "--steps", "9", *PRUNE, "--prune.kernel", "csr",
+    run_train(tmp_path / "resumed", "--steps", "9", *PRUNE, *MAGNITUDE, "--prune.kernel", "csr",
               "--checkpoint.resume", str(tmp_path / "checkpoint-6"), "--parallel.layout", "0,2,6")
     assert [r["loss"] for r in metrics(tmp_path / "resumed")] == pytest.approx([r["loss"] for r in recs[6:]], rel=1e-5)
+
+
+FLOORED = [*PRUNE, "--prune.scoring", "magnitude", "--prune.min_density", "0.15"]  # the floor binds here
+
+
+def reference_floored_masks(weights, amount, floor, old=None, scoring="magnitude"):
+    """global_unstructured on the scores, each tensor's best `floor` candidates forced in."""
+    ws = [weights[k] for k in NAMES]
+    ref = []
+    for w, m in zip(ws, old or [None] * len(ws)):
+        sc = REF[scoring](w, m).clone()
+        cand = sc.reshape(-1) if m is None else sc.reshape(-1).masked_fill(~m.reshape(-1), -1.0)
+        sc.view(-1)[torch.argsort(cand, descending=True, stable=True)[: floor_count(floor, w.numel())]] = float("inf")
+        ref.append(sc)
+    return torch_global_scored(ws, ref, amount, old or [None] * len(ws))
+
+
+@pytest.mark.dist
+def test_distributed_floored_masks_are_the_single_process_reference_on_any_layout_and_rank_count(tmp_path):
+    # 2 ranks, blocks 0 | 1-3, block 1 moving to rank 0 between the two pruning steps (3 and 6)
+    run_train(tmp_path / "a", "--steps", "7", *FLOORED, "--parallel.layout", "0,2,6", "--parallel.relayout", "5:0,3,6",
+              "--checkpoint.every", "3", "--checkpoint.final", "true")
+    w3, w6, w7 = (flat(tmp_path / "a" / f"checkpoint-{s}", tmp_path) for s in (3, 6, "final"))
+    total = sum(w3[k].numel() for k in NAMES)
+    m1 = reference_floored_masks(w3, round(0.7 * total), 0.15)
+    assert all(torch.equal(w6[k] != 0, m) for k, m in zip(NAMES, m1))
+    m2 = reference_floored_masks(w6, round(0.8 * total) - round(0.7 * total), 0.15, m1)
+    assert all(torch.equal(w7[k] != 0, m) for k, m in zip(NAMES, m2))
+    live = {k: int(m.sum()) for k, m in zip(NAMES, m2)}
+    assert sum(live.values()) == total - round(0.8 * total)
+    floors = {k: floor_count(0.15, w3[k].numel()) for k in NAMES}
+    assert all(live[k] >= floors[k] for k in NAMES)
+    # the floor is what keeps the residual projections (initialised 1/sqrt(2 n_layers) smaller)
+    assert all(live[f"block{b}.attn.proj.weight"] == floors[f"block{b}.attn.proj.weight"] for b in range(4))
+    assert all(live[f"block{b}.attn.qkv.weight"] > floors[f"block{b}.attn.qkv.weight"] for b in range(4))
+    # the step-6 cut from the same weights on one rank holding all blocks: the same masks
+    run_train(tmp_path / "b", "--steps", "7", *FLOORED, "--checkpoint.resume", str(tmp_path / "a" / "checkpoint-6"),
+              "--checkpoint.final", "true", nproc=1)
+    wb = flat(tmp_path / "b" / "checkpoint-final", tmp_path)
+    assert all(torch.equal(wb[k] != 0, w7[k] != 0) for k in NAMES)
 
 
 # ---- structured -----------------------------------------------------------------------------
@@ -171,7 +342,7 @@ def test_structured_shrink_removes_units_and_a_full_size_block_loads_the_smaller
     torch.testing.assert_close(fresh(x, None)[0], b(x, None)[0])
 
 
-STRUCT = [*PRUNE, "--prune.structured", "true", "--steps", "9"]
+STRUCT = [*PRUNE, *MAGNITUDE, "--prune.structured", "true", "--steps", "9"]
 
 
 @pytest.mark.dist

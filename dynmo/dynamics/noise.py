@@ -32,10 +32,27 @@ be tested on a CPU machine.
 A checkpointed block's recomputation (inside its backward, with step statistics paused) is
 neither counted as a microbatch nor slowed again. Evaluation and probe forwards (no grad) are
 left alone. Noise is not a model change: the case emits no events.
+
+Injected link delay (`link_delay_ms`, `link_delay_direction`; `LinkDelay`, the one mechanism):
+before each activation send (pipeline rank j -> j+1) and each gradient send (j+1 -> j) of a
+microbatch, the sending rank waits link_delay_ms[j] milliseconds, once per microbatch and
+direction whatever the number of tensors; `link_delay_direction` = forward or backward
+delays one kind only. The wait is a sleep -- the rank's thread can neither compute nor post
+the send meanwhile, which is what a link the sender must wait for does; unlike wire latency
+it cannot overlap the asynchronous schedules' compute. One helper, two users: the
+pipeline stage's send path (`dynmo.runtime.stage.TimedPipelineStage`, outside the profiler's
+spans, so the balancer sees the delay only as link time), and the start-up link probe
+(`dynmo.runtime.probe.measure_links`), which sends through `LINKS.wait` and charges the time
+spent in it to the link. Layer migrations (`dynmo.runtime.transfer`) do not go through it:
+the delay stands for the activation/gradient traffic the balancer models. A link is a pair of
+neighbouring pipeline ranks (|a - b| = 1); an interleaved schedule's wrap-around sends from
+the last rank to the first (pp > 2) are not on one and are not delayed. The case installs the
+delay in this process when it is built, before the trainer probes the links.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from contextlib import nullcontext
@@ -52,6 +69,8 @@ from dynmo.model import stats
 BACKWARD_RATIO = 2.0  # a layer's backward takes about this many times its forward
 MAX_JITTER = 10.0
 MAX_FACTOR = 100.0
+MAX_LINK_DELAY_MS = 10_000.0  # per send; far below parallel.timeout_s's default
+DIRECTIONS = ("both", "forward", "backward")
 
 
 def check_options(n: NoiseConfig, pp: int) -> None:
@@ -75,6 +94,49 @@ def check_options(n: NoiseConfig, pp: int) -> None:
                           f"slow_steps={n.slow_steps})")
     if n.slow_every < 0 or n.slow_steps < 0:
         raise ConfigError(f"noise.slow_every={n.slow_every} and noise.slow_steps={n.slow_steps} must be >= 0")
+    if n.link_delay_ms and len(n.link_delay_ms) != pp - 1:
+        raise ConfigError(f"noise.link_delay_ms has {len(n.link_delay_ms)} values; give one per link between "
+                          f"neighbouring pipeline ranks ({pp - 1} for {pp} ranks), or none")
+    for j, v in enumerate(n.link_delay_ms):
+        if not (math.isfinite(v) and 0.0 <= v <= MAX_LINK_DELAY_MS):
+            raise ConfigError(f"noise.link_delay_ms[{j}]={v} must be a number of milliseconds in "
+                              f"[0, {MAX_LINK_DELAY_MS:g}] (the wait before each send on link {j} <-> {j + 1})")
+    if n.link_delay_direction not in DIRECTIONS:
+        raise ConfigError(f"noise.link_delay_direction={n.link_delay_direction!r} must be one of {', '.join(DIRECTIONS)}")
+
+
+class LinkDelay:
+    """The injected link delay of this process (see the module docstring): what the sender of a
+    message from pipeline rank `src` to `dst` waits before posting it. Empty until configured:
+    no wait, no clock read."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []  # per link j <-> j+1
+        self.direction = "both"
+
+    def configure(self, ms: list[float], direction: str = "both") -> None:
+        self.seconds = [float(x) / 1000.0 for x in ms]
+        self.direction = direction
+
+    def delay_s(self, src: int, dst: int, kind: str) -> float:
+        """Seconds a `kind` ("forward": activations, "backward": gradients) send from pipeline
+        rank `src` to `dst` waits."""
+        if not self.seconds or abs(src - dst) != 1 or self.direction not in ("both", kind):
+            return 0.0
+        j = min(src, dst)
+        return self.seconds[j] if j < len(self.seconds) else 0.0
+
+    def wait(self, src: int, dst: int, kind: str) -> float:
+        """Wait before a send; returns the seconds waited, measured (0.0 when nothing is configured)."""
+        s = self.delay_s(src, dst, kind)
+        if s <= 0:
+            return 0.0
+        t = time.perf_counter()
+        time.sleep(s)
+        return time.perf_counter() - t
+
+
+LINKS = LinkDelay()  # this process's link delay: the Noise case configures it, senders wait on it
 
 
 class Draws:
@@ -181,6 +243,7 @@ class Noise(Case):
     def __init__(self, host):
         super().__init__(host)
         self.opts = host.cfg.noise
+        LINKS.configure(self.opts.link_delay_ms, self.opts.link_delay_direction)
         self.draws = Draws(self.opts)
         self.burner = Burner(host.device)
         self.hooked: dict[int, tuple[nn.Module, list]] = {}  # layer -> (the module, its hook handles)

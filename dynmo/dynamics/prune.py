@@ -8,13 +8,29 @@ Schedule: at steps t = t0 + j*dt (j = 0..n) the model is pruned to sparsity
 prunes nothing, so n steps do work: 0.9 with n = 4 gives 52%, 79%, 89%, 90%).
 
 What is pruned: the blocks' Linear weights (attention qkv/proj, MLP fc/proj); never the
-embedding, the head, norms or biases. The threshold is *global*: one magnitude cut over all
-blocks on all pipeline ranks, so blocks end up with different densities (the imbalance the
-balancer has to fix). The cut is the exact distributed top-k of `dynmo.dynamics.topk` over
-the model group; the masks equal `torch.nn.utils.prune.global_unstructured(...,
-L1Unstructured, amount=...)` on the whole model. Already-pruned weights are never revived
-(they are excluded from the candidates, as `global_unstructured` does with an existing mask).
-Data-parallel replicas hold identical weights and so compute identical masks.
+embedding, the head, norms or biases. The threshold is *global*: one cut over the scores of
+all blocks on all pipeline ranks, so blocks end up with different densities (the imbalance
+the balancer has to fix). The cut is the exact distributed top-k of `dynmo.dynamics.topk` over
+the model group. What is ranked is `prune.scoring` (see `scores`):
+
+- `magnitude`: |w|; the masks equal `torch.nn.utils.prune.global_unstructured(...,
+  L1Unstructured, amount=...)` on the whole model. On GPT-2-initialised models it removes
+  nearly all of the residual projections (attn.proj, mlp.proj: initialised 1/sqrt(2 n_layers)
+  smaller) at high sparsity.
+- `normalized`: |w| over its tensor's RMS, so every tensor is ranked in its own scale; the
+  masks equal `global_unstructured` with these as `importance_scores`.
+- `lamp`: the LAMP score (Lee et al. 2021), also per-tensor scale free.
+
+`prune.min_density` (default 0.02; 0 = off) is a floor: each tensor first keeps its best
+ceil(min_density * entries) candidates, and the global cut shares the rest of the budget over
+everything else. The default, magnitude with a 2% floor, keeps the global magnitude ranking
+and the blocks' different densities, and no tensor is wiped out (measured against the other
+scorings in docs/dynamic-models.md); scoring = "magnitude" with min_density = 0 gives exactly
+torch's masks. Scores and floors are computed from each tensor alone and ties at the cut are
+broken by (block, Linear, position), so a block's mask does not depend on the rank that holds
+it, and data-parallel replicas (identical weights) compute identical masks. Already-pruned
+weights are never revived (they are excluded from the candidates, as `global_unstructured`
+does with an existing mask).
 
 Keeping pruned weights at zero: each pruned Linear becomes a `dynmo.model.sparse.PrunedLinear`
 over the same parameters, whose forward applies the mask, so their gradients are zero (grad
@@ -29,9 +45,11 @@ function; the choice (and the two measured times) per block is in the metrics. D
 replicas sum their measurements so they pick alike.
 
 Structured pruning (`prune.structured = true`): whole MLP hidden units (a row of fc and the
-matching column of proj) are removed by a global L2-norm criterion, so the dense matrices
-really shrink (every block keeps at least one unit). A migrated block is rebuilt at full size
-and resizes itself when loading the smaller weights (`dynmo.model.gpt.MLP`). Resuming: the
+matching column of proj) are removed by a global criterion on their L2 norms (scored as above:
+`normalized` divides by the RMS of the block's unit norms, removed units counting as zeros),
+so the dense matrices really shrink (every block keeps at least one unit, and at least
+ceil(min_density * width) units). A migrated block is rebuilt at full size and resizes
+itself when loading the smaller weights (`dynmo.model.gpt.MLP`). Resuming: the
 checkpoint's `dynmo.json` records every block's MLP width, and the blocks are narrowed to it
 before the weights load (which weights survive is in the saved weights themselves); resuming
 an unstructured run restores the masks from the saved zeros.
@@ -44,6 +62,7 @@ chosen kernel: nnz for csr, all entries for dense), prune_hidden (MLP width; str
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -56,6 +75,7 @@ from dynmo.model.layers import block_class
 from dynmo.model.sparse import KERNELS, PrunedLinear, set_mask, time_kernels
 
 PRUNABLE = ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")  # Linear modules of a block
+SCORINGS = ("magnitude", "normalized", "lamp")  # prune.scoring
 
 
 # ---- schedule ---------------------------------------------------------------------------------
@@ -73,6 +93,14 @@ def check_options(p: PruneConfig, model: ModelConfig | None = None) -> None:
         raise ConfigError(
             f"prune.times={p.times}, prune.every={p.every} must be >= 1 and prune.start_step={p.start_step} >= 0"
         )
+    if p.scoring not in SCORINGS:
+        raise ConfigError(f"prune.scoring={p.scoring!r}; use magnitude (raw |w|), normalized (|w| / the tensor's RMS) "
+                          "or lamp (layer-adaptive magnitude)")
+    if not 0.0 <= p.min_density < 1.0:
+        raise ConfigError(f"prune.min_density={p.min_density} must be in [0, 1) (fraction of each tensor always kept; 0 = no floor)")
+    if p.min_density > 1.0 - p.final_sparsity + 1e-9:
+        raise ConfigError(f"prune.min_density={p.min_density} cannot hold at prune.final_sparsity={p.final_sparsity}: "
+                          f"use min_density <= {1.0 - p.final_sparsity:.4g} (1 - final_sparsity), or 0 for no floor")
     if p.kernel not in ("auto", *KERNELS):
         raise ConfigError(f"prune.kernel={p.kernel!r}; use auto (measure per layer), dense or csr")
     if p.structured and p.kernel == "csr":
@@ -93,6 +121,73 @@ def sparsity_at(step: int, p: PruneConfig) -> float | None:
     if step < p.start_step or r or j > p.times:
         return None
     return p.final_sparsity + (p.initial_sparsity - p.final_sparsity) * (1.0 - j / p.times) ** 3
+
+
+# ---- scoring: what the global cut ranks ------------------------------------------------------
+
+
+def scores(mag: torch.Tensor, live: torch.Tensor | None, scoring: str, n: int | None = None) -> torch.Tensor:
+    """Float32 scores of one tensor's candidates for the global cut; -1 where `live` is False.
+
+    `mag` holds non-negative magnitudes (|w| of a weight tensor, or the norms of a block's MLP
+    units); `n` is the tensor's original number of entries (default `mag.numel()`: entries
+    already removed count as zeros). Computed from the tensor alone, so a tensor scores the
+    same on whichever rank holds it.
+
+    magnitude   `mag` itself (torch.nn.utils.prune.global_unstructured's L1 criterion).
+    normalized  `mag` / the tensor's RMS, sqrt(sum(mag^2 over live entries) / n): every tensor
+                is measured in its own scale, so tensors initialised or trained smaller (the
+                GPT-2 residual projections, 1/sqrt(2 n_layers)) compete fairly.
+    lamp        LAMP (Lee et al. 2021): mag_u^2 / the sum of mag_v^2 over the live entries v of
+                the tensor ranked at or above u (mag_v > mag_u, or equal at a later position);
+                also scale free, and each tensor's largest entry scores 1, so a tensor keeps
+                at least one entry while the global budget allows.
+    """
+    mag = mag.detach().float()
+    flat = mag.reshape(-1)
+    if live is not None:
+        flat = flat.masked_fill(~live.reshape(-1).bool(), 0.0)
+    if scoring == "magnitude":
+        out = flat
+    elif scoring == "normalized":
+        scale = float(flat.double().square().sum().div(n or flat.numel()).sqrt())
+        out = flat / torch.tensor(scale if scale > 0 else 1.0, dtype=torch.float32)
+    elif scoring == "lamp":
+        order = torch.sort(flat, stable=True).indices  # ascending, equal entries in position order
+        sq = flat.double().square()[order]
+        suffix = sq.flip(0).cumsum(0).flip(0)  # sum of the squares from this entry to the largest
+        out = torch.zeros_like(flat)
+        out[order] = torch.where(suffix > 0, sq / suffix.clamp_min(1e-300), 0.0).float()
+    else:
+        raise ValueError(f"scoring={scoring!r}; use one of {SCORINGS}")
+    if live is not None:
+        out = out.masked_fill(~live.reshape(-1).bool(), -1.0)
+    return out.view(mag.shape)
+
+
+def floor_count(min_density: float, n: int) -> int:
+    """Entries a tensor of `n` original entries keeps at least under `prune.min_density`."""
+    return math.ceil(round(min_density * n, 6))
+
+
+def keep_with_floor(score_list: list[torch.Tensor], keep: int, floors: list[int], group=None,
+                    keys: list[int] | None = None, num_keys: int = 0) -> tuple[list[torch.Tensor], int]:
+    """`global_keep` with a per-tensor floor: each tensor first keeps its `floors[t]` best
+    candidates (by score, equal scores in position order; fewer if it has fewer), the rest of
+    the `keep` budget goes to one global cut over everything else. Returns the masks and the
+    number kept over the group (more than `keep` only when the floors alone exceed it)."""
+    reserved = []
+    for sc, f in zip(score_list, floors):
+        flat = sc.reshape(-1)
+        r = torch.zeros(flat.numel(), dtype=torch.bool)
+        f = min(f, int((flat >= 0).sum()))
+        if f > 0:
+            r[torch.sort(flat, descending=True, stable=True).indices[:f]] = True
+        reserved.append(r.view(sc.shape))
+    n_reserved = int(group_sum(torch.tensor([sum(int(r.sum()) for r in reserved)], dtype=torch.int64), group))
+    rest = [sc.masked_fill(r, -1.0) for sc, r in zip(score_list, reserved)]
+    masks = global_keep(rest, keep - n_reserved, group, keys, num_keys)
+    return [m | r for m, r in zip(masks, reserved)], max(keep, n_reserved)
 
 
 # ---- structured: MLP hidden units ---------------------------------------------------------
@@ -202,21 +297,24 @@ class Prune(Case):
         blocks = self.host.blocks()
         total = self.host.num_blocks * self.full_size
         keep = total - round(s * total)  # torch.nn.utils.prune rounds the same way
-        scores, owners = [], []
+        score_list, owners, floors, keys = [], [], [], []
         for i, block in blocks.items():
-            for name, lin in self._linears(block).items():
-                w = lin.weight.detach().abs()
+            for j, (name, lin) in enumerate(self._linears(block).items()):
                 old = _mask(lin)
-                scores.append(w if old is None else w.masked_fill(old == 0, -1.0))
+                score_list.append(scores(lin.weight.detach().abs(), None if old is None else old != 0, self.opts.scoring))
                 owners.append((i, name))
-        masks = global_keep(scores, keep, self.host.model_group)
+                floors.append(floor_count(self.opts.min_density, lin.weight.numel()))
+                keys.append(self.host.block_number(i) * len(self.names) + j)
+        masks, kept = keep_with_floor(score_list, keep, floors, self.host.model_group, keys,
+                                      self.host.num_blocks * len(self.names))
         for (i, name), mask in zip(owners, masks):
             self._clear_state(blocks[i].get_submodule(name).weight, mask)
         per_block: dict[int, dict[str, torch.Tensor]] = {}
         for (i, name), mask in zip(owners, masks):
             per_block.setdefault(i, {})[name] = mask
         self._apply_masks(blocks, per_block)
-        return {"type": "dynamism", "step": step, "sparsity": s, "kept": keep, "total": total}
+        return {"type": "dynamism", "step": step, "sparsity": s, "kept": kept, "total": total,
+                "scoring": self.opts.scoring, "min_density": self.opts.min_density}
 
     def _apply_masks(self, blocks: dict[int, nn.Module], per_block: dict[int, dict[str, torch.Tensor]]) -> None:
         self._choose_kernels(blocks, per_block)
@@ -253,13 +351,12 @@ class Prune(Case):
         blocks = host.blocks()
         total = host.num_blocks * self.full_hidden
         keep = total - round(s * total)
-        scores = [unit_scores(b.mlp) for b in blocks.values()]
-        masks = global_keep(scores, keep, host.model_group)
+        score_list = [scores(unit_scores(b.mlp), None, self.opts.scoring, self.full_hidden) for b in blocks.values()]
+        floor = max(1, floor_count(self.opts.min_density, self.full_hidden))  # every block keeps >= 1 unit
+        masks, kept = keep_with_floor(score_list, keep, [floor] * len(score_list), host.model_group,
+                                      [host.block_number(i) for i in blocks], host.num_blocks)
         states = host.optimizer_states()
-        for (i, block), mask, score in zip(blocks.items(), masks, scores):
-            if not mask.any():  # every block keeps its strongest unit
-                mask = mask.clone()
-                mask[score.argmax()] = True
+        for (i, block), mask in zip(blocks.items(), masks):
             if bool(mask.all()):
                 continue
             idx = mask.nonzero().squeeze(1)
@@ -276,7 +373,8 @@ class Prune(Case):
         for i, block in blocks.items():
             widths[host.block_number(i)] = block.mlp.fc.out_features
         self.hidden = group_sum(widths, host.model_group).tolist()
-        return {"type": "dynamism", "step": step, "sparsity": s, "structured": True, "kept_units": keep, "total_units": total}
+        return {"type": "dynamism", "step": step, "sparsity": s, "structured": True, "kept_units": kept, "total_units": total,
+                "scoring": self.opts.scoring, "min_density": self.opts.min_density}
 
     def after_step(self, step: int, result: Any) -> list[dict]:
         with torch.no_grad():

@@ -10,6 +10,10 @@ shared out in rank order so exactly k survive. On magnitudes the result equals
 Negative scores mark entries that are not candidates (e.g. already pruned weights); they are
 never kept, as `global_unstructured` never revives entries outside an existing mask.
 
+Exactly equal scores at the threshold are kept in the order of each tensor's global `key`
+(e.g. block number and Linear), then by position: the result is the same whichever rank holds
+a tensor. Without keys they are kept in rank order, then in list and position order.
+
 Pure torch and torch.distributed: with `group=None` (or a one-rank group) everything is local.
 """
 
@@ -34,13 +38,16 @@ def _count(t: torch.Tensor, group) -> int:
     return int(group_sum(t, group))
 
 
-def global_keep(scores: list[torch.Tensor], keep: int, group=None) -> list[torch.Tensor]:
+def global_keep(scores: list[torch.Tensor], keep: int, group=None, keys: list[int] | None = None,
+                num_keys: int = 0) -> list[torch.Tensor]:
     """Boolean masks keeping the `keep` largest scores over all tensors on all ranks of `group`.
 
     `scores` are non-negative float tensors (magnitudes); entries < 0 are not candidates
     (already pruned) and are never kept. Every rank of `group` must call this. Exact: the
     k-th largest value is found by bisection on the float32 bit pattern (32 all-reduces of one
-    integer), ties at the threshold are kept in rank order, then position order.
+    integer). Ties at the threshold are kept in rank order, then position order; with `keys`
+    (one distinct integer in [0, num_keys) per tensor over the whole group) in key order, then
+    position order, independent of which rank holds which tensor.
     """
     flat = torch.cat([s.detach().reshape(-1).float() for s in scores]) if scores else torch.zeros(0)
     bits = flat.view(torch.int32)  # non-negative floats: int order == float order; negatives < 0
@@ -60,17 +67,35 @@ def global_keep(scores: list[torch.Tensor], keep: int, group=None) -> list[torch
         above = bits > lo
         ties = bits == lo
         n_above = _count(torch.tensor([int(above.sum())], dtype=torch.int64), group)
-        need = keep - n_above  # ties to keep, handed out in rank order
-        my_ties = int(ties.sum())
-        before = 0
-        if _distributed(group):
-            counts = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(counts, torch.tensor([my_ties], dtype=torch.int64), group=group)
-            before = sum(int(c) for c in counts[: dist.get_rank(group)])
-        mine = max(0, min(my_ties, need - before))
+        need = keep - n_above  # ties to keep
         keep_mask = above.clone()
-        if mine:
-            keep_mask[ties.nonzero().squeeze(1)[:mine]] = True
+        if keys is not None:  # handed out in key order, then position order
+            if len(keys) != len(scores):
+                raise ValueError(f"{len(keys)} keys for {len(scores)} score tensors")
+            counts = torch.zeros(num_keys, dtype=torch.int64)
+            off = 0
+            for key, s in zip(keys, scores):
+                counts[key] = int(ties[off : off + s.numel()].sum())
+                off += s.numel()
+            group_sum(counts, group)
+            before = torch.cumsum(counts, 0) - counts  # ties of all tensors with a smaller key
+            off = 0
+            for key, s in zip(keys, scores):
+                mine = max(0, min(int(counts[key]), need - int(before[key])))
+                if mine:
+                    idx = ties[off : off + s.numel()].nonzero().squeeze(1)[:mine] + off
+                    keep_mask[idx] = True
+                off += s.numel()
+        else:  # handed out in rank order
+            my_ties = int(ties.sum())
+            before = 0
+            if _distributed(group):
+                counts = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+                dist.all_gather(counts, torch.tensor([my_ties], dtype=torch.int64), group=group)
+                before = sum(int(c) for c in counts[: dist.get_rank(group)])
+            mine = max(0, min(my_ties, need - before))
+            if mine:
+                keep_mask[ties.nonzero().squeeze(1)[:mine]] = True
     out, off = [], 0
     for s in scores:
         out.append(keep_mask[off : off + s.numel()].view(s.shape))

@@ -7,7 +7,11 @@ speeds     every rank times the same fixed matmul workload; speed = reference ti
 transfer   each pipeline link j -> j+1 measures its bandwidth with a large ping-pong; a
            microbatch's boundary bytes cross the link twice per step (the activation
            forward, its gradient backward), so t_j = 2 x bytes / bandwidth. Latency is left
-           out: the schedules send asynchronously, so it overlaps compute.
+           out: the schedules send asynchronously, so it overlaps compute. A sender's wait
+           before a send (the injected link delay, `noise.link_delay_ms`) is not latency: the
+           sender cannot compute meanwhile. The probe's sends go through the same wait as the
+           pipeline's, its time is measured on each side and added in full:
+           t_j = 2 x bytes / bandwidth + wait forward + wait backward.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from dynmo.config import BalanceConfig
+from dynmo.dynamics.noise import LINKS
 from dynmo.runtime.dist import DistContext
 
 
@@ -57,33 +62,51 @@ def measure_links(ctx: DistContext, microbatch: int, seq_len: int, d_model: int,
     overlaps compute, while the bytes occupy the link. Each link ping-pongs a buffer of at
     least `probe_bytes` (to amortise latency) and the cost of a microbatch is its boundary
     bytes (hidden state of `elem_bytes` per value + token mask) forward plus the gradient back,
-    at that bandwidth."""
+    at that bandwidth. Each send first waits the injected link delay (`LINKS.wait`, as the
+    pipeline's sends do); the sender's measured wait is taken out of the round trip before
+    the bandwidth is computed and charged in full, once per direction."""
     pp, me = ctx.pp, ctx.pp_rank
     act_bytes = microbatch * seq_len * (elem_bytes * d_model + 1)
     buf = torch.zeros(max(probe_bytes, act_bytes) // 4, device=ctx.device)
-    links = torch.zeros(max(pp - 1, 1), dtype=torch.float64)
+    # per link: [round trip (rank j), rank j's wait before its send, rank j+1's wait before its send]
+    mine = torch.zeros(3, max(pp - 1, 1), dtype=torch.float64)
     for j in range(pp - 1):  # every rank walks the links in order; only the two ends act
         if me not in (j, j + 1):
             continue
         peer = j + 1 if me == j else j
-        times = []
+        trips, waits = [], []
         for _ in range(rounds):
             t = time.perf_counter()
             if me == j:
+                waits.append(LINKS.wait(me, peer, "forward"))
                 dist.send(buf, group=ctx.pp_group, group_dst=peer)
                 dist.recv(buf, group=ctx.pp_group, group_src=peer)
             else:
                 dist.recv(buf, group=ctx.pp_group, group_src=peer)
+                waits.append(LINKS.wait(me, peer, "backward"))
                 dist.send(buf, group=ctx.pp_group, group_dst=peer)
-            times.append(time.perf_counter() - t)
+            trips.append(time.perf_counter() - t)
+        # the first round warms up
         if me == j:
-            bandwidth = 2 * buf.numel() * 4 / statistics.median(times[1:])  # bytes/s, first round warms up
-            links[j] = 2 * act_bytes / bandwidth
-    parts = [torch.zeros_like(links) for _ in range(ctx.active_world)]
-    dist.all_gather(parts, links, group=ctx.active_group)
+            mine[0, j] = statistics.median(trips[1:])
+            mine[1, j] = statistics.median(waits[1:])
+        else:
+            mine[2, j] = statistics.median(waits[1:])
+    parts = [torch.zeros_like(mine) for _ in range(ctx.active_world)]
+    dist.all_gather(parts, mine, group=ctx.active_group)
     if pp < 2:
         return []
-    return [statistics.fmean(float(parts[r * pp + j][j]) for r in range(ctx.dp)) for j in range(pp - 1)]
+    out = []
+    for j in range(pp - 1):
+        per_replica = []
+        for r in range(ctx.dp):
+            sender, receiver = parts[r * pp + j], parts[r * pp + j + 1]
+            trip, wait_fwd, wait_bwd = float(sender[0, j]), float(sender[1, j]), float(receiver[2, j])
+            wire = max(trip - wait_fwd - wait_bwd, 1e-9)
+            bandwidth = 2 * buf.numel() * 4 / wire  # bytes/s
+            per_replica.append(2 * act_bytes / bandwidth + wait_fwd + wait_bwd)
+        out.append(statistics.fmean(per_replica))
+    return out
 
 
 def measure_workers(b: BalanceConfig, ctx: DistContext, microbatch: int, seq_len: int, d_model: int,

@@ -41,6 +41,7 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 from torch.utils.checkpoint import checkpoint
 
+from dynmo.dynamics.noise import LINKS
 from dynmo.model import stats
 
 
@@ -255,7 +256,12 @@ def _recompute_context():
 
 
 class TimedPipelineStage(PipelineStage):
-    """PipelineStage that adds up the time it spends computing (not waiting or sending)."""
+    """PipelineStage that adds up the time it spends computing (not waiting or sending).
+
+    Its sends go through the injected link delay (`noise.link_delay_ms`,
+    `dynmo.dynamics.noise.LinkDelay`): the schedule asks for a microbatch's send ops after the
+    forward or backward that produced them, outside the profiler's spans, and the stage waits
+    there before handing them over to be posted. The wait is link time, never compute."""
 
     @property
     def compute_s(self) -> float:
@@ -284,6 +290,18 @@ class TimedPipelineStage(PipelineStage):
         finally:
             mod.end_backward()
             self._span(t)
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int):
+        ops = super().get_fwd_send_ops(fwd_chunk_id)
+        if ops:
+            LINKS.wait(self.group_rank, self.stage_index_to_group_rank[self.stage_index + 1], "forward")
+        return ops
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int):
+        ops = super().get_bwd_send_ops(bwd_chunk_id)
+        if ops:
+            LINKS.wait(self.group_rank, self.stage_index_to_group_rank[self.stage_index - 1], "backward")
+        return ops
 
     def backward_weight_one_chunk(self, *args, **kwargs):
         mod = self.submod

@@ -1,0 +1,131 @@
+"""The injected link delay (`noise.link_delay_ms`, dynmo/dynamics/noise.py `LinkDelay`): real
+waiting in the pipeline's send path that changes no number of the training, that the start-up
+link probe sees, that the profiler does not book as compute, and that the link-aware
+controller answers in the expected direction.
+
+Timing assertions are inequalities on injected sleeps (a sleep lasts at least what it was
+asked), so a loaded machine cannot break them; the decision tests use forced costs."""
+
+from __future__ import annotations
+
+import re
+import statistics
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from dynmo.config import BalanceConfig, ConfigError, NoiseConfig
+from dynmo.controller import Controller
+from dynmo.dynamics.noise import LinkDelay, check_options
+from dynmo.layout import Layout
+from tests.conftest import metrics, run_train
+
+DELAY_MS = 50.0
+MICROBATCHES = 4  # TINY's
+
+
+def link_ms(stdout: str) -> list[float]:
+    """The probe's link times, from the trainer's start-up line `link ms/microbatch [a, b]`."""
+    m = re.search(r"link ms/microbatch \[([^\]]*)\]", stdout)
+    assert m, f"no probe line in:\n{stdout[-2000:]}"
+    return [float(x) for x in m.group(1).split(",") if x.strip()]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The same 3 steps without and with a 50 ms delay on the one link (both directions), run
+    side by side; `balance.when = auto` so the links are probed (3 steps are too few to move)."""
+    base = tmp_path_factory.mktemp("link-delay")
+    common = ["--steps", "3", "--balance.when", "auto"]
+    delayed = ["--noise.enabled", "true", "--noise.link_delay_ms", str(DELAY_MS)]
+    with ThreadPoolExecutor(2) as pool:
+        plain = pool.submit(run_train, base / "plain", *common)
+        slow = pool.submit(run_train, base / "delayed", *common, *delayed)
+        plain, slow = plain.result(), slow.result()
+    return {"plain": (plain, metrics(base / "plain")), "delayed": (slow, metrics(base / "delayed"))}
+
+
+@pytest.mark.dist
+def test_a_link_delay_changes_no_number_of_the_training(runs):
+    plain, delayed = runs["plain"][1], runs["delayed"][1]
+    assert len(plain) == len(delayed) == 3
+    assert [r["loss"] for r in delayed] == [r["loss"] for r in plain]
+    assert [r["grad_norm"] for r in delayed] == [r["grad_norm"] for r in plain]
+
+
+@pytest.mark.dist
+def test_the_probe_sees_the_delay_and_the_profiler_does_not(runs):
+    (plain, _), (slow, recs) = runs["plain"], runs["delayed"]
+    [plain_ms], [slow_ms] = link_ms(plain.stdout), link_ms(slow.stdout)
+    # the probe waits on both ends of the link, as the pipeline's sends do: activation + gradient
+    assert slow_ms >= 2 * DELAY_MS > DELAY_MS
+    assert slow_ms > plain_ms + DELAY_MS
+    # the waits sit outside the profiler's spans: no layer got them, nor any stage's compute
+    # (booked, each stage would carry at least one wait per microbatch)
+    for i, costs in enumerate(zip(*(r["layer_cost_s"] for r in recs))):
+        assert statistics.median(costs) < DELAY_MS / 1e3, f"layer {i} booked the link delay"
+    for s, compute in enumerate(zip(*(r["stage_compute_s"] for r in recs))):
+        assert statistics.median(compute) < MICROBATCHES * DELAY_MS / 1e3, f"stage {s} booked the link delay"
+    # the step waited for it: at least one delayed send per microbatch on each rank
+    assert min(r["step_s"] for r in recs) > MICROBATCHES * DELAY_MS / 1e3
+
+
+def decide_auto(transfer: list[float] | None, costs: list[float], layout: Layout) -> Layout | None:
+    """Drive `auto` with the same costs every step until it moves (window + confirming steps)."""
+    c = Controller(BalanceConfig(when="auto", window=3, horizon=100), microbatches=MICROBATCHES,
+                   transfer=transfer, fixed_s=0.0)
+    for step in range(10):
+        c.observe(list(costs))
+        d = c.decide(step, layout, [0] * len(costs), 100)
+        if d is not None:
+            return d.layout
+    return None
+
+
+def test_link_aware_layout_moves_work_off_the_stage_that_sends_on_the_slow_link():
+    # 8 equal layers on 2 stages; the probe's link time of a delay d in both directions is 2d,
+    # which the load model charges to the sending stage 0: k + 2d vs 8 - k
+    costs, uniform = [1.0] * 8, Layout((0, 4, 8))
+    assert decide_auto(None, costs, uniform) is None  # compute only: balanced already
+    assert decide_auto([0.0], costs, uniform) is None  # an undelayed link: the same
+    assert decide_auto([2 * 1.0], costs, uniform) == Layout((0, 3, 8))  # d = 1 layer: k + 2 = 8 - k
+    assert decide_auto([2 * 2.0], costs, uniform) == Layout((0, 2, 8))  # d = 2 layers: k + 4 = 8 - k
+    # 3 stages, 9 layers, a slow link 1 <-> 2 only: stage 1 sheds work, stage 0 and 2 take it
+    nine = Layout((0, 3, 6, 9))
+    assert decide_auto(None, [1.0] * 9, nine) is None
+    moved = decide_auto([0.0, 3.0], [1.0] * 9, nine)
+    assert moved is not None
+    sizes = [moved.boundaries[s + 1] - moved.boundaries[s] for s in range(3)]
+    assert sizes[1] < 3 and sizes[0] >= 3 and sizes[2] >= 3, moved
+
+
+def test_which_sends_wait():
+    links = LinkDelay()
+    assert links.delay_s(0, 1, "forward") == 0.0 and links.wait(0, 1, "forward") == 0.0  # nothing configured
+    links.configure([10.0, 0.0, 30.0])
+    assert links.delay_s(0, 1, "forward") == links.delay_s(1, 0, "backward") == 0.010
+    assert links.delay_s(1, 2, "forward") == 0.0
+    assert links.delay_s(3, 2, "backward") == 0.030
+    assert links.delay_s(3, 0, "forward") == 0.0  # not neighbours (an interleaved wrap-around)
+    assert links.delay_s(2, 2, "forward") == 0.0
+    links.configure([10.0], "forward")
+    assert links.delay_s(0, 1, "forward") == 0.010 and links.delay_s(1, 0, "backward") == 0.0
+    links.configure([10.0], "backward")
+    assert links.delay_s(0, 1, "forward") == 0.0 and links.delay_s(1, 0, "backward") == 0.010
+    assert links.wait(1, 0, "backward") >= 0.010  # a real wait, measured
+
+
+@pytest.mark.parametrize("ms, direction, pp, words", [
+    ([10.0, 10.0], "both", 2, "one per link"),
+    ([10.0], "both", 1, "one per link"),
+    ([-1.0], "both", 2, "link_delay_ms[0]"),
+    ([float("nan")], "both", 2, "link_delay_ms[0]"),
+    ([float("inf")], "both", 2, "link_delay_ms[0]"),
+    ([0.0, 1e9], "both", 3, "link_delay_ms[1]"),
+    ([10.0], "sideways", 2, "link_delay_direction"),
+])
+def test_bad_link_delays_fail_with_one_line(ms, direction, pp, words):
+    with pytest.raises(ConfigError, match=re.escape(words)) as e:
+        check_options(NoiseConfig(enabled=True, link_delay_ms=ms, link_delay_direction=direction), pp)
+    assert "\n" not in str(e.value)
+    check_options(NoiseConfig(enabled=True, link_delay_ms=[0.0] * (pp - 1)), pp)  # the fix passes
