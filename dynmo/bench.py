@@ -74,6 +74,9 @@ CASES = [
     BenchCase("hashattn", "configs/hashattn.toml", "auto", 24, 30, 48, steps=80),
     # the whole cubic schedule (steps 10..50, to 90 %), then 70 steps at the final sparsity
     BenchCase("pruning", "configs/pruning.toml", "dynamism", 24, 30, 48, steps=120, repack=True),
+    # the same schedule removing whole MLP units: the blocks' matrices really shrink
+    BenchCase("pruning-structured", "configs/pruning.toml", "dynamism", 24, 30, 48, steps=120,
+              extra=("--prune.structured", "true"), repack=True),
     # until all blocks but the last may freeze
     BenchCase("freezing", "configs/freezing.toml", "dynamism", 24, 30, 48, steps=150,
               extra=("--freeze.max_frozen", "-1"), repack=True),
@@ -342,7 +345,7 @@ def render(real: list[dict], sim: list[dict], missing: list[str], argv: list[str
             "|---|---:|---:|---:|---:|---:|---|---|",
         ]
         for r in real:
-            paper = PAPER.get(r["case"])
+            paper = PAPER.get(r["case"].split("-")[0])
             dn = r.get("dense") or {}
             v = r["val_loss"]
             lines.append(
