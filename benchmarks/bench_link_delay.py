@@ -13,8 +13,8 @@ activation sends), three variants, run one after the other so machine load hits 
   static    balance.when = never: the uniform layout throughout
   compute   balance.when = auto, balance.links = free: the balancer sees compute only
   link      balance.when = auto, balance.links = measure: the start-up probe measures the
-            link (its sends wait the same delay) and the load model charges it to the
-            sending stage
+            link (its sends wait the same delay) and the load model charges each
+            direction to its sender (activations: stage 0, gradients: stage 1)
 
 The base delay is one microbatch's stage compute on this machine, measured by the first run
 (the undelayed static one): the median over its steps >= 1 of the slower stage's compute
@@ -69,7 +69,7 @@ def tokens_per_s(recs: list[dict]) -> float:
 
 
 def summarize(recs: list[dict], stdout: str, settle: int) -> dict:
-    m = re.search(r"link ms/microbatch \[([^\]]*)\]", stdout)
+    m = re.search(r"link ms/microbatch forward/backward \[([^\]]*)\]", stdout)
     migrations = [(r["step"], e) for r in recs for e in r["events"] if e["type"] == "migration"]
     steady = [r for r in recs if r["step"] >= settle] or recs[1:]
     # within the run (the same processes, minutes apart: less of the machine's run-to-run noise),

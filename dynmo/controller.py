@@ -127,7 +127,10 @@ class Controller:
     microbatches: int = 4
     # What the runtime measured about the workers and the memory (None = not modelled):
     speeds: list[float] | None = None  # per pipeline position, relative (1 = reference)
-    transfer: list[float] | None = None  # per stage boundary: seconds to ship one microbatch's activations
+    # per stage boundary j: seconds stage j spends sending one microbatch's activations to j+1, and
+    # seconds stage j+1 spends sending its gradient back (each charged to its sender)
+    transfer: list[float] | None = None
+    transfer_back: list[float] | None = None
     memory: list[float] | None = None  # per layer: bytes it needs on a worker (state + activations in flight)
     capacity: float | None = None  # bytes per worker; default: cfg.memory_gb (0 = no cap)
     # migration cost model: seconds = fixed_s + bytes / bandwidth, refitted from each migration
@@ -213,6 +216,7 @@ class Controller:
             capacity=self.capacity or None,
             speeds=self.speeds[:stages] if self.speeds else None,
             transfer=self.transfer[: stages - 1] if self.transfer and stages > 1 else None,
+            transfer_back=self.transfer_back[: stages - 1] if self.transfer_back and stages > 1 else None,
             current=list(current.boundaries) if current is not None else None,
         )
 

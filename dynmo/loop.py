@@ -67,7 +67,8 @@ def check_balance(b: BalanceConfig) -> None:
 class DynmoLoop:
     def __init__(self, cfg: BalanceConfig, *, microbatches: int, schedule: str, layer_params: list[int],
                  layer_bytes: list[int] | None = None, speeds: list[float] | None = None,
-                 transfer: list[float] | None = None, migration_fixed_s: float = MIGRATION_FIXED_S,
+                 transfer: list[float] | None = None, transfer_back: list[float] | None = None,
+                 migration_fixed_s: float = MIGRATION_FIXED_S,
                  migration_bandwidth: float = MIGRATION_BANDWIDTH):
         check_balance(cfg)
         self.cfg = cfg
@@ -76,6 +77,7 @@ class DynmoLoop:
         # what a migration ships per layer: a prior until the first step is measured
         self.layer_bytes = list(layer_bytes) if layer_bytes else [BYTES_PER_PARAM * p for p in self.layer_params]
         self.controller = Controller(cfg, microbatches, speeds=speeds, transfer=transfer,
+                                     transfer_back=transfer_back,
                                      fixed_s=migration_fixed_s, bandwidth=migration_bandwidth)
         self.profile_s = 0.0  # profiler bookkeeping since the last decision
 
@@ -86,6 +88,10 @@ class DynmoLoop:
     @property
     def transfer(self) -> list[float] | None:
         return self.controller.transfer
+
+    @property
+    def transfer_back(self) -> list[float] | None:
+        return self.controller.transfer_back
 
     def decide(self, step: int, layout: Layout, steps_left: int) -> Decision | None:
         return self.controller.decide(step, layout, self.layer_bytes, steps_left)
@@ -121,6 +127,7 @@ class DynmoLoop:
             "profile_s": self.profile_s,
             "speeds": ctl.speeds,
             "transfer_s": ctl.transfer,
+            "transfer_back_s": ctl.transfer_back,
         } | ({"best_step_s": decision.best_step_s, "repack_tolerance": self.cfg.repack_tolerance}
              if decision.reason == "repack" else {})
 

@@ -74,19 +74,20 @@ class Trainer:
             for c in self.cases:
                 c.after_load(self.start_step)
         self.relayouts = plan.parse_relayouts(cfg, num_stages)
-        speeds = transfer = None
+        speeds = transfer = transfer_back = None
         # Worker speeds and link times need one stage per rank: with virtual stages several
         # stages share a worker and a link, which the balancers' load model does not describe.
         if cfg.balance.when != "never" and cfg.parallel.virtual_stages == 1:
             m = cfg.model
-            speeds, transfer = probe.measure_workers(cfg.balance, ctx, self.pipe.microbatch, m.seq_len, m.d_model,
+            speeds, transfer, transfer_back = probe.measure_workers(cfg.balance, ctx, self.pipe.microbatch, m.seq_len, m.d_model,
                                                      self.pipe.dtype.itemsize)
             if ctx.is_logger:
-                links = ", ".join(f"{t * 1e3:.2f}" for t in transfer or [])
-                print(f"dynmo: worker speeds {', '.join(f'{x:.2f}' for x in speeds)}; link ms/microbatch [{links}]",
-                      flush=True)
+                links = ", ".join(f"{f * 1e3:.2f}/{b * 1e3:.2f}" for f, b in zip(transfer or [], transfer_back or []))
+                print(f"dynmo: worker speeds {', '.join(f'{x:.2f}' for x in speeds)}; link ms/microbatch "
+                      f"forward/backward [{links}]", flush=True)
         self.loop = DynmoLoop(cfg.balance, microbatches=self.pipe.microbatches, schedule=cfg.parallel.schedule,
-                              layer_params=self.params, speeds=speeds, transfer=transfer)
+                              layer_params=self.params, speeds=speeds, transfer=transfer,
+                              transfer_back=transfer_back)
         if self.saved_costs and cfg.balance.cost == "time":
             self.loop.controller.history.append(list(self.saved_costs))  # the starting forecast
 

@@ -63,6 +63,14 @@ def test_speeds_and_transfer_enter_the_load():
     r = balance(pr, "optimal")
     # stage 0: 8/2 + 1 = 5, stage 1: 4/1 = 4
     assert r.boundaries == [0, 4, 6] and r.stage_loads == [5.0, 4.0]
+    # the gradient's send back is charged to its sender, stage 1: 6/2 + 1 = 4 vs 6/1 + 1.5
+    pr = Problem(costs=[2, 2, 2, 2, 2, 2], stages=2, speeds=[2, 1], transfer=[1], transfer_back=[1.5])
+    r = balance(pr, "optimal")
+    assert r.boundaries == [0, 4, 6] and r.stage_loads == [5.0, 5.5]
+    assert Problem(costs=[1] * 4, stages=3, transfer=[1, 2], transfer_back=[3, 4]).t.tolist() == [1, 5, 4]
+    # a sub-pipeline keeps each kept worker's outgoing link, both ways
+    sub = Problem(costs=[1] * 4, stages=3, transfer=[1, 2], transfer_back=[3, 4]).with_stages([0, 2])
+    assert sub.t.tolist() == [1, 3]
 
 
 def test_repack_releases_workers_within_tolerance():

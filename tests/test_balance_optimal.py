@@ -36,6 +36,8 @@ def problems(draw, max_layers=8, heterogeneous=True):
         kw["speeds"] = draw(st.lists(st.sampled_from([0.5, 1.0, 2.0, 3.0]), min_size=p, max_size=p))
     if heterogeneous and p > 1 and draw(st.booleans()):
         kw["transfer"] = draw(st.lists(st.sampled_from([0.0, 0.5, 2.0]), min_size=p - 1, max_size=p - 1))
+        if draw(st.booleans()):
+            kw["transfer_back"] = draw(st.lists(st.sampled_from([0.0, 0.5, 2.0]), min_size=p - 1, max_size=p - 1))
     if draw(st.booleans()):
         cuts = sorted(draw(st.sets(st.integers(1, n - 1), min_size=p - 1, max_size=p - 1))) if n > 1 else []
         kw["current"] = [0, *cuts, n]

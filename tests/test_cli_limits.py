@@ -422,7 +422,8 @@ def test_replay_bad_flags(tmp_path, args, needles):
 def test_replay_work_limits(tmp_path, monkeypatch):
     p = write_trace(tmp_path / "t.jsonl", _header(), _steps())
     monkeypatch.setattr(sim_cli, "MAX_REPLAY_OPS", 50)
-    replay_bad(p, "MAX_REPLAY_OPS", "3 policies x 4 steps x 2 stages x 4 microbatches")
+    # uniform, optimal, oracle asked; params and profile-once replayed as best-static references
+    replay_bad(p, "MAX_REPLAY_OPS", "5 policies x 4 steps x 2 stages x 4 microbatches")
     monkeypatch.undo()
     monkeypatch.setattr(sim_cli, "MAX_REPLAY_SERIES", 10)
     replay_bad(p, "MAX_REPLAY_SERIES")

@@ -140,9 +140,10 @@ def test_skewed_model_is_rebalanced_within_a_window_and_trains_the_same(tmp_path
     window = [r["layer_cost_s"] for r in auto[3:first]]  # every post-skew step before the move
     forecast = [median(col) for col in zip(*window)]
     ev = next(e for e in moves[0]["events"] if e["type"] == "migration")
-    speeds, transfer = ev["speeds"], ev["transfer_s"]  # measured at start-up
+    speeds, transfer, back = ev["speeds"], ev["transfer_s"], ev["transfer_back_s"]  # measured at start-up
     forecast = [c * speeds[s] for c, s in zip(forecast, Layout((0, 3, 6)).owner())]
-    best = balance(Problem(costs=forecast, stages=2, current=[0, 3, 6], speeds=speeds, transfer=transfer), "optimal")
+    best = balance(Problem(costs=forecast, stages=2, current=[0, 3, 6], speeds=speeds, transfer=transfer,
+                           transfer_back=back), "optimal")
     assert moves[0]["layout"] == best.boundaries
     assert ev["predicted_bottleneck_s"] < ev["current_bottleneck_s"]
     assert ev["measured_bottleneck_s"] > 0 and ev["decide_s"] >= 0 and ev["profile_s"] >= 0
@@ -213,5 +214,5 @@ def test_dynamism_trigger_rebalances_after_profiling_the_change(tmp_path):
     forecast = [median(col) for col in zip(*(r["layer_cost_s"] for r in dyn[3:6]))]
     forecast = [c * ev["speeds"][s] for c, s in zip(forecast, Layout((0, 3, 6)).owner())]
     best = balance(Problem(costs=forecast, stages=2, current=[0, 3, 6], speeds=ev["speeds"],
-                           transfer=ev["transfer_s"]), "optimal")
+                           transfer=ev["transfer_s"], transfer_back=ev["transfer_back_s"]), "optimal")
     assert dyn[6]["layout"] == list(best.boundaries) != [0, 3, 6]

@@ -24,11 +24,12 @@ DELAY_MS = 50.0
 MICROBATCHES = 4  # TINY's
 
 
-def link_ms(stdout: str) -> list[float]:
-    """The probe's link times, from the trainer's start-up line `link ms/microbatch [a, b]`."""
-    m = re.search(r"link ms/microbatch \[([^\]]*)\]", stdout)
+def link_ms(stdout: str) -> list[tuple[float, float]]:
+    """The probe's link times per link, (forward, backward), from the trainer's start-up line
+    `link ms/microbatch forward/backward [f/b, f/b]`."""
+    m = re.search(r"link ms/microbatch forward/backward \[([^\]]*)\]", stdout)
     assert m, f"no probe line in:\n{stdout[-2000:]}"
-    return [float(x) for x in m.group(1).split(",") if x.strip()]
+    return [tuple(float(y) for y in x.split("/")) for x in m.group(1).split(",") if x.strip()]
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +58,11 @@ def test_a_link_delay_changes_no_number_of_the_training(runs):
 def test_the_probe_sees_the_delay_and_the_profiler_does_not(runs):
     (plain, _), (slow, recs) = runs["plain"], runs["delayed"]
     [plain_ms], [slow_ms] = link_ms(plain.stdout), link_ms(slow.stdout)
-    # the probe waits on both ends of the link, as the pipeline's sends do: activation + gradient
-    assert slow_ms >= 2 * DELAY_MS > DELAY_MS
-    assert slow_ms > plain_ms + DELAY_MS
+    # the probe waits on both ends of the link, as the pipeline's sends do, and books each wait
+    # to its direction: the activation's sender and the gradient's
+    for fwd_or_back in (0, 1):
+        assert slow_ms[fwd_or_back] >= DELAY_MS
+        assert slow_ms[fwd_or_back] > plain_ms[fwd_or_back] + DELAY_MS / 2
     # the waits sit outside the profiler's spans: no layer got them, nor any stage's compute
     # (booked, each stage would carry at least one wait per microbatch)
     for i, costs in enumerate(zip(*(r["layer_cost_s"] for r in recs))):
@@ -70,10 +73,11 @@ def test_the_probe_sees_the_delay_and_the_profiler_does_not(runs):
     assert min(r["step_s"] for r in recs) > MICROBATCHES * DELAY_MS / 1e3
 
 
-def decide_auto(transfer: list[float] | None, costs: list[float], layout: Layout) -> Layout | None:
+def decide_auto(transfer: list[float] | None, costs: list[float], layout: Layout,
+                back: list[float] | None = None) -> Layout | None:
     """Drive `auto` with the same costs every step until it moves (window + confirming steps)."""
     c = Controller(BalanceConfig(when="auto", window=3, horizon=100), microbatches=MICROBATCHES,
-                   transfer=transfer, fixed_s=0.0)
+                   transfer=transfer, transfer_back=back, fixed_s=0.0)
     for step in range(10):
         c.observe(list(costs))
         d = c.decide(step, layout, [0] * len(costs), 100)
@@ -82,21 +86,22 @@ def decide_auto(transfer: list[float] | None, costs: list[float], layout: Layout
     return None
 
 
-def test_link_aware_layout_moves_work_off_the_stage_that_sends_on_the_slow_link():
-    # 8 equal layers on 2 stages; the probe's link time of a delay d in both directions is 2d,
-    # which the load model charges to the sending stage 0: k + 2d vs 8 - k
+def test_link_aware_layout_moves_work_off_the_stages_that_send_on_the_slow_link():
+    # 8 equal layers on 2 stages. A delay d on activations only is charged to their sender,
+    # stage 0: k + d vs 8 - k
     costs, uniform = [1.0] * 8, Layout((0, 4, 8))
     assert decide_auto(None, costs, uniform) is None  # compute only: balanced already
-    assert decide_auto([0.0], costs, uniform) is None  # an undelayed link: the same
-    assert decide_auto([2 * 1.0], costs, uniform) == Layout((0, 3, 8))  # d = 1 layer: k + 2 = 8 - k
-    assert decide_auto([2 * 2.0], costs, uniform) == Layout((0, 2, 8))  # d = 2 layers: k + 4 = 8 - k
-    # 3 stages, 9 layers, a slow link 1 <-> 2 only: stage 1 sheds work, stage 0 and 2 take it
+    assert decide_auto([0.0], costs, uniform, [0.0]) is None  # an undelayed link: the same
+    assert decide_auto([2.0], costs, uniform, [0.0]) == Layout((0, 3, 8))  # d = 2 layers: k + 2 = 8 - k
+    assert decide_auto([4.0], costs, uniform, [0.0]) == Layout((0, 2, 8))  # d = 4 layers: k + 4 = 8 - k
+    # the same delay on the gradients as well weighs on both ends: no layout escapes it
+    assert decide_auto([2.0], costs, uniform, [2.0]) is None
+    assert decide_auto([0.0], costs, uniform, [2.0]) == Layout((0, 5, 8))  # gradients only: stage 1 sheds
+    # 3 stages, 9 layers, a slow link 1 <-> 2 in both directions: both of its ends shed work
     nine = Layout((0, 3, 6, 9))
     assert decide_auto(None, [1.0] * 9, nine) is None
-    moved = decide_auto([0.0, 3.0], [1.0] * 9, nine)
-    assert moved is not None
-    sizes = [moved.boundaries[s + 1] - moved.boundaries[s] for s in range(3)]
-    assert sizes[1] < 3 and sizes[0] >= 3 and sizes[2] >= 3, moved
+    moved = decide_auto([0.0, 3.0], [1.0] * 9, nine, [0.0, 3.0])
+    assert moved == Layout((0, 5, 7, 9)), moved  # 5 | 2 + 3 | 2 + 3
 
 
 def test_which_sends_wait():

@@ -183,6 +183,34 @@ def test_cli_replays_a_trace_file(tmp_path, capsys):
     assert "unknown policy" in capsys.readouterr().err
 
 
+def test_cli_link_delay_links_and_profile_steps(tmp_path, capsys):
+    """--link-delay / --links / --profile-steps reach the replay: a slow link 0 in both
+    directions moves work off both of its ends with links = measure, not with free; bad values
+    are one line and exit 2 before the trace is replayed."""
+    t = make_trace(np.ones((6, 12)) * 0.01)
+    path = tmp_path / "t.jsonl"
+    with TraceWriter(path, t.header) as w:
+        for s in t.steps:
+            w.write_trace_step(s)
+    base = ["simulate", "--trace", str(path), "--stages", "3", "--json", "--policies", "profile-once,optimal",
+            "--when", "every", "--every", "1", "--window", "1", "--min-gain", "0"]
+    layouts = {}
+    for links in ("measure", "free"):
+        assert dynmo_main([*base, "--link-delay", "0.03,0", "--comm", "0.001", "--links", links,
+                           "--profile-steps", "2"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        layouts[links] = [p["layouts"][-1] for p in doc["policies"]]
+    one_way = [0.031, 0.001]
+    want = list(profile_once_layout(np.ones(12) * 0.01, 3, one_way, one_way).boundaries)
+    assert layouts["measure"] == [want, want] and layouts["free"] == [[0, 4, 8, 12]] * 2
+    for bad, words in ((["--link-delay", "0.1,0.1,0.1"], "one per link"), (["--link-delay", "fast"], "not a number"),
+                       (["--link-delay", "-1"], "--link-delay"), (["--link-delay", "nan"], "--link-delay"),
+                       (["--links", "sometimes"], "--links"), (["--profile-steps", "0"], "--profile-steps")):
+        assert dynmo_main([*base, *bad]) == 2
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1, err
+
+
 def test_retuned_microbatches_after_a_repack():
     costs = np.ones((8, 12)) * 0.01
     costs[3:, 2:] *= 0.05
@@ -242,7 +270,7 @@ def test_the_controller_sees_the_recorded_cost():
 
 def brute_force_bottleneck(costs: np.ndarray, stages: int, transfer: np.ndarray) -> float:
     """The smallest max stage load over every contiguous layout (load = layer costs + the
-    stage's outgoing link time)."""
+    stage's link time: what it sends forward and back)."""
     n = len(costs)
     best = np.inf
     for cuts in combinations(range(1, n), stages - 1):
@@ -268,8 +296,10 @@ def test_profile_once_is_the_optimal_layout_of_the_median_early_costs(stages, n,
     early = t.costs()[1:1 + profile] if steps > 1 else t.costs()[:1]
     med = np.median(early, axis=0)
     transfer = np.zeros(stages)
-    if links == "measure":
-        transfer[:-1] = 2 * (comm + np.asarray(delay))
+    if links == "measure":  # each link's one-way time, charged to the activation's and the gradient's sender
+        one_way = comm + np.asarray(delay)
+        transfer[:-1] += one_way
+        transfer[1:] += one_way
     lay = Layout(tuple(r.layouts[0]))
     got = max(np.add.reduceat(med, np.asarray(lay.boundaries[:-1])) + transfer)
     assert got <= brute_force_bottleneck(med, stages, transfer) * (1 + 1e-9)
@@ -383,14 +413,18 @@ def test_link_delay_adds_its_transfers_on_the_critical_path():
 def test_the_controller_sees_the_link_times_the_engine_charges():
     """Constant costs, a slow link 0: with links = measure the dynamic optimal, profile-once and
     the oracle all settle on the layout that is optimal with each link's per-microbatch time,
-    2 x (comm + delay), charged to its sending stage; with links = free on the compute-only one."""
+    comm + delay each way, charged to the activation's and to the gradient's sender; with
+    links = free on the compute-only one."""
     costs = np.ones((6, 12)) * 0.01
     t = make_trace(costs)
-    comm, delay = 0.001, [0.02, 0.0]
+    comm, delay = 0.001, [0.03, 0.0]
     every = dict(when="every", every=1, window=1, min_gain=0.0)
-    want = {"measure": profile_once_layout(costs[0], 3, [2 * (comm + delay[0]), 2 * comm]),
+    one_way = [comm + delay[0], comm]
+    want = {"measure": profile_once_layout(costs[0], 3, one_way, one_way),
             "free": profile_once_layout(costs[0], 3, None)}
+    # both ends of the slow link shed work to stage 2
     assert want["measure"].boundaries[1] < want["free"].boundaries[1]
+    assert want["measure"].boundaries[2] - want["measure"].boundaries[1] < want["free"].boundaries[2] - want["free"].boundaries[1]
     for links in ("measure", "free"):
         opts = ReplayOptions(comm=comm, link_delay=delay, balance=replay_balance(links=links, **every), **FREE)
         dyn, po, orc = replay(t, 3, 1, ["optimal", "profile-once", "oracle"], opts)
@@ -403,9 +437,10 @@ def test_link_aware_optimal_never_loses_to_compute_only_in_the_model(stages, n, 
     rng = np.random.default_rng(seed)
     costs = rng.uniform(0.0, 1.0, n) * 0.01
     transfer = (rng.uniform(0.0, 0.02, stages - 1) * rng.integers(0, 2, stages - 1)).tolist()
-    aware = profile_once_layout(costs, stages, transfer)
+    back = (rng.uniform(0.0, 0.02, stages - 1) * rng.integers(0, 2, stages - 1)).tolist()
+    aware = profile_once_layout(costs, stages, transfer, back)
     free = profile_once_layout(costs, stages, None)
-    model = Problem(costs=costs.tolist(), stages=stages, transfer=transfer)
+    model = Problem(costs=costs.tolist(), stages=stages, transfer=transfer, transfer_back=back)
     la, lf = model.loads_of_assignment(aware.owner()), model.loads_of_assignment(free.owner())
     assert max(la) <= max(lf) * (1 + 1e-9)
     assert step_time(la, m) <= step_time(lf, m) * (1 + 1e-9)

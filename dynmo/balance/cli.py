@@ -1,6 +1,7 @@
 """`dynmo balance --input problem.json [--balancer NAME] [--repack] [--tolerance X]`
 
-Reads a problem (keys: costs, stages; optional memory, capacity, speeds, transfer, current)
+Reads a problem (keys: costs, stages; optional memory, capacity, speeds, transfer, transfer_back,
+current)
 and prints one JSON object: balancer, boundaries, stage_loads, bottleneck, imbalance, moves,
 released, seconds (and workers, stage_memory, contiguous). Bad input (including a problem
 beyond the limits below, or an infeasible one): one line `dynmo balance: error: ...` on

@@ -3,12 +3,16 @@
 Load model (used by every balancer, the result and the docs):
 
     stage load L_j = (sum of c_i over the layers of stage j) / s_j + t_j
+    t_j = f_j + b_(j-1)
 
-where s_j is the speed of the worker running stage j (1 when workers are equal) and t_j is
-the cost of sending stage j's output activations to stage j+1 (0 for the last stage).
-t_j is charged to the *sending* stage because in 1F1B-style schedules the send sits on the
-sender's critical path. It does not depend on where the boundary is (transformer blocks all
-emit activations of the same shape), so it shifts stage j's load by a constant.
+where s_j is the speed of the worker running stage j (1 when workers are equal), f_j
+(`transfer`) is the time stage j spends sending one microbatch's activations to stage j+1
+(0 for the last stage) and b_j (`transfer_back`) the time stage j+1 spends sending its
+gradient back to stage j (b_(-1) = 0). Each direction is charged to the stage that sends,
+because in 1F1B-style schedules a send sits on the sender's critical path: a slow link in
+both directions weighs on both of its ends. Neither depends on where the boundary is
+(transformer blocks all emit activations of the same shape), so t_j shifts stage j's load by
+a constant. Without `transfer_back`, `transfer` is the whole round trip charged to the sender.
 
 Memory: stage j may hold layers whose memory m_i sums to at most capacity M_j.
 """
@@ -42,6 +46,7 @@ class Problem:
     capacity: float | Sequence[float] | None = None
     speeds: Sequence[float] | None = None
     transfer: float | Sequence[float] | None = None
+    transfer_back: float | Sequence[float] | None = None
     current: Sequence[int] | None = None
     # normalized numpy views, filled by __post_init__
     c: np.ndarray = field(init=False, repr=False, compare=False)
@@ -78,6 +83,8 @@ class Problem:
         if self.transfer is not None:
             tt = _scalar_or_vector("transfer", self.transfer, p - 1, allow_zero=True) if p > 1 else np.zeros(0)
             t[: p - 1] = tt
+        if self.transfer_back is not None and p > 1:
+            t[1:] += _scalar_or_vector("transfer_back", self.transfer_back, p - 1, allow_zero=True)
         if self.current is not None:
             bounds = _int_list("current", self.current)
             try:
@@ -119,11 +126,14 @@ class Problem:
         """The same layers on a subset of the workers (kept in pipeline order).
 
         Stage j of the sub-problem runs on worker workers[j]; it inherits that worker's
-        capacity, speed and transfer cost, except that the last stage sends nothing.
+        capacity, speed and the transfer costs of its outgoing link, except that the last stage
+        sends nothing forward.
         """
         w = list(workers)
         cap = None if self.capacity is None else [float(self.cap[i]) for i in w]
-        t = [float(self.t[i]) for i in w[:-1]]
+        fwd, back = self._link_parts()
+        t = [float(fwd[i]) for i in w[:-1]]
+        tb = [float(back[i]) for i in w[:-1]]
         return Problem(
             costs=self.c.tolist(),
             stages=len(w),
@@ -131,13 +141,24 @@ class Problem:
             capacity=cap,
             speeds=[float(self.s[i]) for i in w],
             transfer=t if t else None,
+            transfer_back=tb if tb and any(tb) else None,
         )
+
+    def _link_parts(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per link j (pipeline position j -> j+1): the forward and the backward transfer."""
+        p = self.stages
+        fwd, back = np.zeros(max(p - 1, 0)), np.zeros(max(p - 1, 0))
+        if p > 1 and self.transfer is not None:
+            fwd[:] = _scalar_or_vector("transfer", self.transfer, p - 1, allow_zero=True)
+        if p > 1 and self.transfer_back is not None:
+            back[:] = _scalar_or_vector("transfer_back", self.transfer_back, p - 1, allow_zero=True)
+        return fwd, back
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Problem":
         if not isinstance(d, dict):
             raise BalanceError("problem JSON must be an object with keys costs, stages, ...")
-        known = {"costs", "stages", "memory", "capacity", "speeds", "transfer", "current"}
+        known = {"costs", "stages", "memory", "capacity", "speeds", "transfer", "transfer_back", "current"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise BalanceError(f"unknown problem keys {unknown}; known keys are {sorted(known)}")

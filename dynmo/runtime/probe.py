@@ -54,17 +54,18 @@ def measure_speeds(ctx: DistContext) -> list[float]:
 
 
 def measure_links(ctx: DistContext, microbatch: int, seq_len: int, d_model: int, rounds: int = 5,
-                  probe_bytes: int = 8 << 20, elem_bytes: int = 4) -> list[float]:
+                  probe_bytes: int = 8 << 20, elem_bytes: int = 4) -> tuple[list[float], list[float]]:
     """Seconds per microbatch on each link j -> j+1 of this replica's pipeline, averaged over
-    replicas; the same list on every rank.
+    replicas, split by direction: (forward, the sender j's activation send; backward, the
+    sender j+1's gradient send). The same lists on every rank.
 
     Bandwidth, not latency: schedules send activations asynchronously, so a message's latency
     overlaps compute, while the bytes occupy the link. Each link ping-pongs a buffer of at
     least `probe_bytes` (to amortise latency) and the cost of a microbatch is its boundary
-    bytes (hidden state of `elem_bytes` per value + token mask) forward plus the gradient back,
-    at that bandwidth. Each send first waits the injected link delay (`LINKS.wait`, as the
-    pipeline's sends do); the sender's measured wait is taken out of the round trip before
-    the bandwidth is computed and charged in full, once per direction."""
+    bytes (hidden state of `elem_bytes` per value + token mask) at that bandwidth, each way.
+    Each send first waits the injected link delay (`LINKS.wait`, as the pipeline's sends do);
+    the sender's measured wait is taken out of the round trip before the bandwidth is
+    computed and added in full to its direction."""
     pp, me = ctx.pp, ctx.pp_rank
     act_bytes = microbatch * seq_len * (elem_bytes * d_model + 1)
     buf = torch.zeros(max(probe_bytes, act_bytes) // 4, device=ctx.device)
@@ -95,8 +96,8 @@ def measure_links(ctx: DistContext, microbatch: int, seq_len: int, d_model: int,
     parts = [torch.zeros_like(mine) for _ in range(ctx.active_world)]
     dist.all_gather(parts, mine, group=ctx.active_group)
     if pp < 2:
-        return []
-    out = []
+        return [], []
+    fwd, back = [], []
     for j in range(pp - 1):
         per_replica = []
         for r in range(ctx.dp):
@@ -104,22 +105,23 @@ def measure_links(ctx: DistContext, microbatch: int, seq_len: int, d_model: int,
             trip, wait_fwd, wait_bwd = float(sender[0, j]), float(sender[1, j]), float(receiver[2, j])
             wire = max(trip - wait_fwd - wait_bwd, 1e-9)
             bandwidth = 2 * buf.numel() * 4 / wire  # bytes/s
-            per_replica.append(2 * act_bytes / bandwidth + wait_fwd + wait_bwd)
-        out.append(statistics.fmean(per_replica))
-    return out
+            per_replica.append((act_bytes / bandwidth + wait_fwd, act_bytes / bandwidth + wait_bwd))
+        fwd.append(statistics.fmean(f for f, _ in per_replica))
+        back.append(statistics.fmean(b for _, b in per_replica))
+    return fwd, back
 
 
 def measure_workers(b: BalanceConfig, ctx: DistContext, microbatch: int, seq_len: int, d_model: int,
-                    elem_bytes: int = 4) -> tuple[list[float], list[float] | None]:
-    """Worker speeds and per-link transfer seconds per microbatch, as `[balance]` asks:
-    `speeds` given, or `workers = "measure"` (within 10% of the reference is noise, not a
-    slower worker), else equal; links measured unless `links = "free"`."""
+                    elem_bytes: int = 4) -> tuple[list[float], list[float] | None, list[float] | None]:
+    """Worker speeds and per-link transfer seconds per microbatch (forward, backward), as
+    `[balance]` asks: `speeds` given, or `workers = "measure"` (within 10% of the reference
+    is noise, not a slower worker), else equal; links measured unless `links = "free"`."""
     speeds = [1.0] * ctx.pp
     if b.workers == "measure":
         speeds = [1.0 if abs(x - 1.0) < 0.1 else x for x in measure_speeds(ctx)]
     if b.speeds:
         speeds = list(b.speeds)
-    transfer = None
+    fwd = back = None
     if b.links == "measure" and ctx.pp > 1:
-        transfer = measure_links(ctx, microbatch, seq_len, d_model, elem_bytes=elem_bytes)
-    return speeds, transfer
+        fwd, back = measure_links(ctx, microbatch, seq_len, d_model, elem_bytes=elem_bytes)
+    return speeds, fwd, back

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -105,6 +106,13 @@ def _parser() -> ArgumentParser:
                    help=f"fixed seconds per migration (default {MIGRATION_FIXED_S})")
     r.add_argument("--no-decide-time", action="store_true", help="do not charge the controller's decide time")
     r.add_argument("--comm", type=float, default=0.0, help="seconds per stage-to-stage transfer (default 0)")
+    r.add_argument("--link-delay", metavar="S[,S...]",
+                   help="extra seconds per activation / gradient transfer: one number (every link) or one per "
+                        "link j (stage j <-> j+1), stages - 1 values")
+    r.add_argument("--links", default="measure", help="measure: the controller, profile-once and the oracle "
+                   "see each link's time (the runtime's default); free: they balance compute only")
+    r.add_argument("--profile-steps", type=int, default=None,
+                   help="profile-once: the median of steps 1..N (default: the replay's PROFILE_STEPS)")
     r.add_argument("--op-overhead", type=float, default=0.0,
                    help="seconds per forward/backward op spent outside it (1.4e-3 fitted on this machine's gloo runs)")
     r.add_argument("--allreduce-bandwidth", type=float, help="bytes/s of the dp gradient ring all-reduce "
@@ -291,6 +299,10 @@ def _check_replay_args(args: argparse.Namespace) -> list[str] | None:
     number("--mig-bandwidth", args.mig_bandwidth, positive=True, allow_inf=True)
     number("--mig-fixed", args.mig_fixed)
     number("--comm", args.comm)
+    choice("--links", args.links, ("measure", "free"))
+    if args.profile_steps is not None:
+        integer("--profile-steps", args.profile_steps, 1, MAX_STEPS, limit="MAX_STEPS")
+    args.link_delay_s = _link_delay(args.link_delay)
     number("--op-overhead", args.op_overhead)
     if args.allreduce_bandwidth is not None:
         number("--allreduce-bandwidth", args.allreduce_bandwidth, positive=True)
@@ -310,7 +322,8 @@ def _check_replay_size(trace, policies: list[str], schedule: str, stages: int, m
     from dynmo.sim.replay import parse_policy
 
     n, steps = trace.num_layers, len(trace.steps)
-    k = len(set(policies) | {"uniform"})  # static uniform is replayed as the speedups' reference
+    # the static layouts are replayed as the speedups' references (best static) when not asked for
+    k = len(set(policies) | {"uniform", "params", "profile-once"})
     if stages > MAX_STAGES:
         raise InputError(f"{stages} stages is over the limit MAX_STAGES = {MAX_STAGES}; give --stages")
     if stages > n:
@@ -351,7 +364,7 @@ def _replay_main(args: argparse.Namespace) -> int:
         trace.write(args.save_trace)
     balance = replay_balance(when=args.when, every=args.every, window=args.window, min_gain=args.min_gain,
                              horizon=args.horizon, repack_tolerance=args.repack_tolerance,
-                             retune_microbatches=args.retune_microbatches)
+                             retune_microbatches=args.retune_microbatches, links=args.links)
     opts = ReplayOptions(
         schedule=args.schedule, microbatches=args.microbatches, stages_per_rank=args.stages_per_rank,
         balance=balance, migration_bandwidth=args.mig_bandwidth,
@@ -359,10 +372,17 @@ def _replay_main(args: argparse.Namespace) -> int:
         op_overhead=args.op_overhead,
         p2p=args.p2p or "eager", allreduce_bandwidth=args.allreduce_bandwidth,
         allreduce_latency=args.allreduce_latency,
+        **({"profile_steps": args.profile_steps} if args.profile_steps is not None else {}),
     )
     policies = asked or default_policies(trace, opts)
     h = trace.header
     stages = args.stages or h.pp * h.virtual_stages
+    if args.link_delay_s is not None:
+        delay = args.link_delay_s * (stages - 1) if len(args.link_delay_s) == 1 else args.link_delay_s
+        if len(delay) != stages - 1:
+            raise InputError(f"--link-delay has {len(delay)} values; give one number or one per link "
+                             f"(stages - 1 = {stages - 1})")
+        opts = replace(opts, link_delay=delay or None)
     _check_replay_size(trace, policies, canonical_name(args.schedule or h.schedule), stages,
                        args.microbatches or h.microbatches)
     with np.errstate(all="ignore"):
@@ -396,6 +416,24 @@ def _replay_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _link_delay(text: str | None) -> list[float] | None:
+    """--link-delay: seconds, one number or a comma-separated list; None when not given."""
+    if text is None:
+        return None
+    parts = [p.strip() for p in str(text).split(",")]
+    if len(parts) > MAX_STAGES:
+        raise InputError(f"--link-delay has {len(parts)} values, over the limit MAX_STAGES = {MAX_STAGES}")
+    out = []
+    for p in parts:
+        try:
+            v = float(p)
+        except ValueError:
+            raise InputError(f"--link-delay: {p!r:.40} is not a number of seconds; give e.g. 0.01 or 0.01,0") from None
+        number("--link-delay", v)
+        out.append(v)
+    return out
+
+
 def _shape(trace, results, args, opts) -> dict:
     from dynmo.sim.schedules import canonical_name
 
@@ -413,7 +451,7 @@ def _missing(trace, opts, shape) -> list[str]:
     out = []
     if shape["dp"] > 1 and not opts.allreduce_bandwidth:
         out.append("data-parallel gradient all-reduce (give --allreduce-bandwidth bytes/s)")
-    if opts.comm == 0:
+    if opts.comm == 0 and not opts.link_delay:
         out.append("stage-to-stage transfer time (give --comm seconds)")
     if opts.op_overhead == 0:
         out.append("per-op runtime overhead outside the measured compute (give --op-overhead seconds)")

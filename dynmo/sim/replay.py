@@ -39,9 +39,9 @@ every link between neighbouring stages, `ReplayOptions.link_delay[j]` an extra d
 transfer on link j (stage j <-> j+1), as the paper's network experiment injects; the engine
 adds it to that link's transfers. With `balance.links = "measure"` (the runtime's default)
 the controller, profile-once and the oracle see each link's per-microbatch time, as the
-runtime's probe measures it: activation forward + gradient back, 2 x (comm + delay_j),
-charged to the sending stage (`dynmo.balance.Problem.transfer`); with `"free"` they balance
-compute only. `replay_link_delays` runs the network experiment: the same trace at link delays
+runtime's probe measures it: comm + delay_j for the activation, charged to stage j
+(`dynmo.balance.Problem.transfer`), and the same for its gradient, charged to stage j+1
+(`Problem.transfer_back`); with `"free"` they balance compute only. `replay_link_delays` runs the network experiment: the same trace at link delays
 of 0x, 1x, 2x, 4x a base time, link-aware against compute-only.
 """
 
@@ -272,18 +272,18 @@ class _Runner:
         self.plans: dict[tuple[int, int], Plan] = {}
 
     def link_times(self, stages: int) -> list[float] | None:
-        """Per link j (stage j -> j+1) of the first `stages` positions: the seconds per microbatch
-        the controller's load model charges to stage j, as the runtime's probe measures them --
-        the activation forward and its gradient back, 2 x (comm + delay_j); 0 where both stages
-        share a rank (the engine hands over for free there). None with `balance.links = "free"`
-        or when every link is free."""
+        """Per link j (stage j <-> j+1) of the first `stages` positions: the seconds per
+        microbatch and direction, as the runtime's probe measures them -- comm + delay_j,
+        charged by the load model to stage j for the activation and to stage j+1 for its
+        gradient; 0 where both stages share a rank (the engine hands over for free there).
+        None with `balance.links = "free"` or when every link is free."""
         if self.opts.balance.links == "free" or stages < 2:
             return None
         t = np.full(stages - 1, float(self.opts.comm))
         if self.delay is not None:
             t = t + self.delay[: stages - 1]
         rank = self.plan(stages).stage_rank
-        t = np.where([rank[j] != rank[j + 1] for j in range(stages - 1)], 2.0 * t, 0.0)
+        t = np.where([rank[j] != rank[j + 1] for j in range(stages - 1)], t, 0.0)
         return t.tolist() if np.any(t > 0) else None
 
     def profile_costs(self) -> np.ndarray:
@@ -335,14 +335,18 @@ def _static_layout(name: str, trace: Trace, stages: int, runner: _Runner) -> Lay
     if name == "uniform":
         return Layout.uniform(trace.num_layers, stages)
     if name == "profile-once":
-        return profile_once_layout(runner.profile_costs(), stages, runner.link_times(stages))
+        links = runner.link_times(stages)
+        return profile_once_layout(runner.profile_costs(), stages, links, links)
     return Layout(tuple(balance(Problem(costs=trace.header.params, stages=stages), "deepspeed").boundaries))
 
 
-def profile_once_layout(costs, stages: int, transfer: Sequence[float] | None = None) -> Layout:
+def profile_once_layout(costs, stages: int, transfer: Sequence[float] | None = None,
+                        transfer_back: Sequence[float] | None = None) -> Layout:
     """The optimal contiguous layout (min-max stage load, `dynmo.balance` optimal) of per-layer
-    `costs`, with per-link `transfer` seconds charged to the sending stage."""
-    r = balance(Problem(costs=[float(c) for c in costs], stages=stages, transfer=transfer), "optimal")
+    `costs`, with per-link `transfer` seconds charged to the stage sending the activations and
+    `transfer_back` to the stage sending the gradients."""
+    r = balance(Problem(costs=[float(c) for c in costs], stages=stages, transfer=transfer,
+                        transfer_back=transfer_back), "optimal")
     return Layout(tuple(r.boundaries))
 
 
@@ -438,7 +442,8 @@ def _run_static(trace: Trace, runner: _Runner, layout: Layout, res: PolicyResult
 def _run_oracle(trace: Trace, runner: _Runner, stages: int, res: PolicyResult) -> None:
     transfer = runner.link_times(stages)
     for k in range(len(trace.steps)):
-        r = balance(Problem(costs=runner.costs[k].tolist(), stages=stages, transfer=transfer), "optimal")
+        r = balance(Problem(costs=runner.costs[k].tolist(), stages=stages, transfer=transfer,
+                            transfer_back=transfer), "optimal")
         res.overhead_s.append(0.0)
         runner.step(k, r.layout, res)
 
@@ -449,7 +454,7 @@ def _run_dynamic(trace: Trace, runner: _Runner, stages: int, balancer: str, do_r
     h = trace.header
     loop = DynmoLoop(replace(opts.balance, balancer=balancer, repack=do_repack), microbatches=runner.m,
                      schedule=runner.schedule, layer_params=h.params, layer_bytes=h.layer_bytes,
-                     transfer=runner.link_times(stages),
+                     transfer=runner.link_times(stages), transfer_back=runner.link_times(stages),
                      migration_fixed_s=opts.migration_fixed_s, migration_bandwidth=opts.migration_bandwidth)
     layout = _static_layout(opts.initial, trace, stages, runner)
     m = runner.m
