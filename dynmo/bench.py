@@ -24,12 +24,15 @@
 2. Simulated runs at the paper's scale from the uniform runs' traces: the trace scaled to a
    paper-sized model (`dynmo.sim.scale_trace`) and replayed (`dynmo.sim.replay.replay`) on 16
    stages x 8 data-parallel replicas for MoE and MoD, 24 stages x 30 for the others, under the
-   static policies (profile-once among them) and the dynamic ones, with and without re-packing.
+   static policies (profile-once among them) and the dynamic ones, with and without re-packing;
+   and the dense model's trace (`traces/dense-<steps>.jsonl`), scaled and replayed alike, for
+   the technique alone and with dynmo against the dense model at that scale.
 
 Writes `OUT/bench.md` (all tables and the commands), `OUT/bench.json`, the traces, and PNG
 plots per case (`OUT/plots/<case>/`: the replay's, and the real runs' stage loads, layouts and
 per-worker throughput over the steps). Results are written after every case, so an
-interrupted run keeps what it measured. What a case lacks (a config that does not exist, a run
+interrupted run keeps what it measured. `--no-real` re-simulates from the traces in OUT and
+keeps the real rows of OUT/bench.json. What a case lacks (a config that does not exist, a run
 that failed) is said in the output, not hidden.
 """
 
@@ -223,7 +226,7 @@ def real_row(case: BenchCase, out: Path, steps: int | None, repeats: int = 1, de
         if key not in dense:
             t = time.perf_counter()
             recs = train(out / "runs" / f"dense-{n}", case.dense, "--steps", str(n), "--train.eval_every", str(n),
-                         "--balance.when", "never")
+                         "--balance.when", "never", "--trace", str((out / "traces" / f"dense-{n}.jsonl").resolve()))
             dense[key] = {"tokens_per_s": throughput(recs), "val_loss": final_val(recs),
                           "seconds": round(time.perf_counter() - t)}
             print(f"  dense {case.dense} ({n} steps): {dense[key]['tokens_per_s']:,.0f} tok/s", file=sys.stderr,
@@ -295,8 +298,34 @@ def sim_rows(case: BenchCase, out: Path) -> list[dict]:
     opts = ReplayOptions(microbatches=4 * case.stages, balance=replay_balance(when=case.when))
     results = replay(trace, stages=case.stages, dp=case.dp, policies=SIM_POLICIES, options=opts)
     write_plots(results, out / "plots" / case.name, title=f"{case.name}: {case.blocks} blocks, {case.stages} stages x {case.dp} dp")
-    return [{"case": case.name, "shape": f"{case.blocks + 2} layers, {case.stages}x{case.dp}", **r.as_dict(per_step=False)}
-            for r in results]
+    # the model without the technique, scaled and replayed alike on static uniform
+    dense = None
+    found = _dense_trace(out, case)
+    if found is not None:
+        dtrace = scale_trace(load_trace(found), case.blocks, noise=0.05)
+        (dense,) = replay(dtrace, stages=case.stages, dp=case.dp, policies=["uniform"], options=opts)
+    rows = []
+    for r in results:
+        row = {"case": case.name, "shape": f"{case.blocks + 2} layers, {case.stages}x{case.dp}", **r.as_dict(per_step=False)}
+        if dense is not None:
+            ours, theirs = (r.tokens_per_s, dense.tokens_per_s) if r.tokens_per_s and dense.tokens_per_s else \
+                (r.steps_per_s, dense.steps_per_s)
+            row["vs_dense"] = ours / theirs if theirs else None
+            row["dense_trace"] = found.name
+        rows.append(row)
+    return rows
+
+
+def _dense_trace(out: Path, case: BenchCase) -> Path | None:
+    """A static trace of the case's dense model (`dense-<steps>.jsonl`, written by the real
+    runs): the one of the case's step count, else any; None for a case without a dense model."""
+    if case.dense is None:
+        return None
+    exact = out / "traces" / f"dense-{case.steps}.jsonl"
+    if exact.is_file():
+        return exact
+    found = sorted((out / "traces").glob("dense-*.jsonl"))
+    return found[0] if found else None
 
 
 def fmt(x, spec: str = ".2f") -> str:
@@ -308,10 +337,17 @@ def _f(x, spec: str = ".3f") -> str:
 
 
 def render(real: list[dict], sim: list[dict], missing: list[str], argv: list[str], started: str = "",
-           duration_s: float | None = None) -> str:
+           duration_s: float | None = None, real_run: dict | None = None) -> str:
     lines = ["# dynmo bench\n", f"Command: `dynmo bench {' '.join(argv)}`"
              + (f" (started {started}" + (f", {duration_s / 60:.0f} min" if duration_s else "") + ")" if started else "")
              + "\n"]
+    if real and real_run:
+        cmd = real_run.get("command")
+        lines.append("The real runs below are kept from an earlier run"
+                     + (f", `dynmo bench {' '.join(cmd)}`" if cmd else "")
+                     + (f" (started {real_run['started']}" if real_run.get("started") else "")
+                     + (f", {real_run['duration_s'] / 60:.0f} min" if real_run.get("duration_s") else "")
+                     + (")" if real_run.get("started") else "") + ".\n")
     if real:
         reps = real[0].get("repeats", 1)
         lines += [
@@ -374,17 +410,37 @@ def render(real: list[dict], sim: list[dict], missing: list[str], argv: list[str
         lines += [
             "## Simulated at paper scale (uniform traces above, scaled; `dynmo.sim.replay`)\n",
             "Microbatches per replica = 4 x stages; migrations charged at the controller's cost model.\n",
-            "| case | shape | policy | vs uniform | **vs best static** | mean bubble | workers (final) | worker-seconds "
-            "| per worker vs uniform | migrations |",
-            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+            "| case | shape | policy | vs uniform | **vs best static** | vs dense | mean bubble | workers (final) "
+            "| worker-seconds | per worker vs uniform | migrations |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in sim:
             lines.append(
                 f"| {r['case']} | {r['shape']} | {r['policy']} | {_f(r.get('speedup'))} | "
-                f"{_f(r.get('speedup_vs_best_static'))} | {_f(r.get('mean_bubble'))} | {r.get('workers_final', 'n/a')} | "
-                f"{_f(r.get('worker_s'), ',.0f')} | {_f(r.get('speedup_per_worker'))} | {r.get('migrations', 0)} |"
+                f"{_f(r.get('speedup_vs_best_static'))} | {_f(r.get('vs_dense'))} | {_f(r.get('mean_bubble'))} | "
+                f"{r.get('workers_final', 'n/a')} | {_f(r.get('worker_s'), ',.0f')} | {_f(r.get('speedup_per_worker'))} | "
+                f"{r.get('migrations', 0)} |"
             )
         lines.append("")
+        by = {(r["case"], r["policy"]): r for r in sim}
+        cases = list(dict.fromkeys(r["case"] for r in sim))
+        if any(r.get("vs_dense") is not None for r in sim):
+            lines += [
+                "### Technique alone and with dynmo at paper scale, against the dense model and the paper\n",
+                "Tokens/s over the dense model's (its trace scaled and replayed alike, static uniform): the technique "
+                "on static uniform, on the best static layout, and with dynmo (`optimal`, from uniform).\n",
+                "| case | technique alone (uniform) | best static | technique + dynmo | paper | paper compares against |",
+                "|---|---:|---:|---:|---:|---|",
+            ]
+            for c in cases:
+                u, o = by.get((c, "uniform"), {}), by.get((c, "optimal"), {})
+                if u.get("vs_dense") is None:
+                    continue
+                best = max((by[(c, p)].get("vs_dense") or 0.0 for p in STATIC_VARIANTS if (c, p) in by), default=None)
+                paper = PAPER.get(c.split("-")[0])
+                lines.append(f"| {c} | {_f(u.get('vs_dense'))} | {_f(best)} | {_f(o.get('vs_dense'))} | "
+                             f"{f'{paper[0]:.2f}' if paper else 'n/a'} | {paper[1] if paper else 'n/a'} |")
+            lines.append("")
     if missing:
         lines += ["## Missing\n"] + [f"- {m}" for m in missing] + [""]
     return "\n".join(lines)
@@ -412,11 +468,26 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     started, t0 = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), time.perf_counter()
     real, sim, missing, dense = [], [], [], {}
+    real_run = {"command": argv, "started": started}  # where the real rows come from
+    if args.no_real and (out / "bench.json").is_file():  # keep the real rows measured before
+        try:
+            old = json.loads((out / "bench.json").read_text())
+            real = old.get("real", [])
+            real_run = old.get("real_run") or {"command": old.get("command"), "started": old.get("started"),
+                                               "duration_s": old.get("duration_s")}
+        except (OSError, ValueError, AttributeError) as e:
+            print(f"dynmo bench: {out / 'bench.json'} is not readable ({e}); move it away to start afresh",
+                  file=sys.stderr)
+            return 2
 
     def write() -> str:
-        (out / "bench.json").write_text(json.dumps({"started": started, "duration_s": round(time.perf_counter() - t0),
+        if not args.no_real:
+            real_run["duration_s"] = round(time.perf_counter() - t0)
+        (out / "bench.json").write_text(json.dumps({"command": argv, "started": started,
+                                                    "duration_s": round(time.perf_counter() - t0), "real_run": real_run,
                                                     "real": real, "sim": sim, "missing": missing}, indent=1) + "\n")
-        text = render(real, sim, missing, argv, started, time.perf_counter() - t0)
+        text = render(real, sim, missing, argv, started, time.perf_counter() - t0,
+                      real_run=real_run if args.no_real else None)
         (out / "bench.md").write_text(text)
         return text
 

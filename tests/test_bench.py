@@ -97,3 +97,35 @@ def test_shrinking_cases_run_repack_and_the_dense_model_once(tmp_path, monkeypat
     assert a["tokens_per_worker_s"]["repack"] > a["tokens_per_worker_s"]["dynmo"]
     assert a["technique_alone"] == 1.0
     assert "Re-packing: the same training on fewer workers" in bench.render([a], [], [], [])
+
+
+def test_no_real_keeps_the_real_rows_and_compares_with_the_dense_trace_at_paper_scale(tmp_path, monkeypatch):
+    import numpy as np
+
+    from dynmo.sim.trace import TraceWriter
+    from tests.test_sim_replay import make_trace
+
+    monkeypatch.setattr(bench, "train", lambda out, config, *extra: [_rec(100.0, step=k) for k in range(8)])
+    monkeypatch.setattr(bench, "write_real_plots", lambda *a: None)
+    skewed = bench.CASES[0]
+    row = bench.real_row(skewed, tmp_path, steps=8)
+    (tmp_path / "bench.json").write_text(json.dumps({"command": ["--out", "x"], "started": "2026-01-01 00:00 UTC",
+                                                     "duration_s": 600, "real": [row]}))
+    (tmp_path / "traces").mkdir()
+    costs = np.ones((6, 10)) * 0.01
+    costs[:, 1:3] *= 3  # skewed: two heavy blocks
+    for name, c in (("skewed-static", costs), (f"dense-{skewed.steps}", np.ones((4, 10)) * 0.01)):
+        t = make_trace(c)
+        with TraceWriter(tmp_path / "traces" / f"{name}.jsonl", t.header) as w:
+            for s in t.steps:
+                w.write_trace_step(s)
+    assert bench.main(["--out", str(tmp_path), "--cases", "skewed", "--no-real"]) == 0
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert doc["real"] == [row] and doc["real_run"]["started"] == "2026-01-01 00:00 UTC"
+    by = {r["policy"]: r for r in doc["sim"]}
+    assert by["uniform"]["dense_trace"] == f"dense-{skewed.steps}.jsonl"
+    # the technique's model is heavier than the dense one; balancing wins some of it back
+    assert by["uniform"]["vs_dense"] < by["optimal"]["vs_dense"] < 1.0
+    text = (tmp_path / "bench.md").read_text()
+    assert "kept from an earlier run, `dynmo bench --out x` (started 2026-01-01 00:00 UTC, 10 min)" in text
+    assert "Technique alone and with dynmo at paper scale" in text
