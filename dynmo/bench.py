@@ -318,9 +318,16 @@ def sim_rows(case: BenchCase, out: Path) -> list[dict]:
 
 def _dense_trace(out: Path, case: BenchCase) -> Path | None:
     """A static trace of the case's dense model (`dense-<steps>.jsonl`, written by the real
-    runs): the one of the case's step count, else any; None for a case without a dense model."""
+    runs, or converted from a dense run's metrics.jsonl in OUT/runs): the one of the case's
+    step count, else any; None for a case without a dense model."""
+    from dynmo.sim import load_trace
+
     if case.dense is None:
         return None
+    for run in sorted((out / "runs").glob("dense-*")):
+        path = out / "traces" / f"{run.name}.jsonl"
+        if not path.is_file() and (run / "metrics.jsonl").is_file():
+            load_trace(run).write(path)
     exact = out / "traces" / f"dense-{case.steps}.jsonl"
     if exact.is_file():
         return exact
