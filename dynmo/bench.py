@@ -31,8 +31,9 @@
 Writes `OUT/bench.md` (all tables and the commands), `OUT/bench.json`, the traces, and PNG
 plots per case (`OUT/plots/<case>/`: the replay's, and the real runs' stage loads, layouts and
 per-worker throughput over the steps). Results are written after every case, so an
-interrupted run keeps what it measured. `--no-real` re-simulates from the traces in OUT and
-keeps the real rows of OUT/bench.json. What a case lacks (a config that does not exist, a run
+interrupted run keeps what it measured. Rows an invocation does not measure again (the cases
+not in `--cases`; every real row with `--no-real`) are kept from OUT/bench.json, and the output
+names the invocation that measured them: one case can be measured again alone. What a case lacks (a config that does not exist, a run
 that failed) is said in the output, not hidden.
 """
 
@@ -344,17 +345,21 @@ def _f(x, spec: str = ".3f") -> str:
 
 
 def render(real: list[dict], sim: list[dict], missing: list[str], argv: list[str], started: str = "",
-           duration_s: float | None = None, real_run: dict | None = None) -> str:
+           duration_s: float | None = None) -> str:
     lines = ["# dynmo bench\n", f"Command: `dynmo bench {' '.join(argv)}`"
              + (f" (started {started}" + (f", {duration_s / 60:.0f} min" if duration_s else "") + ")" if started else "")
              + "\n"]
-    if real and real_run:
-        cmd = real_run.get("command")
-        lines.append("The real runs below are kept from an earlier run"
-                     + (f", `dynmo bench {' '.join(cmd)}`" if cmd else "")
-                     + (f" (started {real_run['started']}" if real_run.get("started") else "")
-                     + (f", {real_run['duration_s'] / 60:.0f} min" if real_run.get("duration_s") else "")
-                     + (")" if real_run.get("started") else "") + ".\n")
+    runs: dict[tuple, list[str]] = {}
+    for kind, rows in (("real", real), ("simulated", sim)):
+        for r in rows:
+            ran = r.get("run") or {}
+            if ran and (ran.get("command") != argv or ran.get("started") != started):
+                key = (" ".join(ran.get("command") or []), ran.get("started") or "?")
+                label = f"{r['case']} ({kind})"
+                if label not in runs.setdefault(key, []):
+                    runs[key].append(label)
+    for (cmd, when), labels in runs.items():
+        lines.append(f"Kept from an earlier invocation, `dynmo bench {cmd}` (started {when}): {', '.join(labels)}.\n")
     if real:
         reps = real[0].get("repeats", 1)
         lines += [
@@ -475,26 +480,32 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     started, t0 = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), time.perf_counter()
     real, sim, missing, dense = [], [], [], {}
-    real_run = {"command": argv, "started": started}  # where the real rows come from
-    if args.no_real and (out / "bench.json").is_file():  # keep the real rows measured before
+    run = {"command": argv, "started": started}  # stamped on every row this invocation measures
+    # rows this invocation does not measure again (other cases, or all real rows with --no-real)
+    # are kept from OUT/bench.json, each with the invocation that measured it
+    kept_real, kept_sim = [], []
+    if (out / "bench.json").is_file():
         try:
             old = json.loads((out / "bench.json").read_text())
-            real = old.get("real", [])
-            real_run = old.get("real_run") or {"command": old.get("command"), "started": old.get("started"),
-                                               "duration_s": old.get("duration_s")}
-        except (OSError, ValueError, AttributeError) as e:
+            old_run = {"command": old.get("command"), "started": old.get("started")}
+            kept_real = [r | {"run": r.get("run") or old_run} for r in old.get("real", [])
+                         if args.no_real or r["case"] not in wanted]
+            kept_sim = [r | {"run": r.get("run") or old_run} for r in old.get("sim", [])
+                        if args.no_sim or r["case"] not in wanted]
+        except (OSError, ValueError, AttributeError, TypeError, KeyError) as e:
             print(f"dynmo bench: {out / 'bench.json'} is not readable ({e}); move it away to start afresh",
                   file=sys.stderr)
             return 2
+    order = {c.name: i for i, c in enumerate(CASES)}
 
     def write() -> str:
-        if not args.no_real:
-            real_run["duration_s"] = round(time.perf_counter() - t0)
+        all_real = sorted(kept_real + real, key=lambda r: order.get(r["case"], len(order)))
+        all_sim = sorted(kept_sim + sim, key=lambda r: order.get(r["case"], len(order)))
         (out / "bench.json").write_text(json.dumps({"command": argv, "started": started,
-                                                    "duration_s": round(time.perf_counter() - t0), "real_run": real_run,
-                                                    "real": real, "sim": sim, "missing": missing}, indent=1) + "\n")
-        text = render(real, sim, missing, argv, started, time.perf_counter() - t0,
-                      real_run=real_run if args.no_real else None)
+                                                    "duration_s": round(time.perf_counter() - t0),
+                                                    "real": all_real, "sim": all_sim, "missing": missing},
+                                                   indent=1) + "\n")
+        text = render(all_real, all_sim, missing, argv, started, time.perf_counter() - t0)
         (out / "bench.md").write_text(text)
         return text
 
@@ -506,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_real:
             print(f"dynmo bench: {name} (real, 2 ranks)", file=sys.stderr, flush=True)
             try:
-                real.append(real_row(case, out, args.steps, args.repeats, dense))
+                real.append(real_row(case, out, args.steps, args.repeats, dense) | {"run": run})
             except RuntimeError as e:
                 missing.append(f"{name}: real run failed: {str(e).splitlines()[0]}")
                 write()
@@ -515,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
             if not (out / "traces" / f"{name}-static.jsonl").is_file():
                 missing.append(f"{name}: no static trace to simulate from (run without --no-real first)")
                 continue
-            sim += sim_rows(case, out)
+            sim += [r | {"run": run} for r in sim_rows(case, out)]
         write()
     print(write())
     return 0

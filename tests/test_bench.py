@@ -121,11 +121,20 @@ def test_no_real_keeps_the_real_rows_and_compares_with_the_dense_trace_at_paper_
                 w.write_trace_step(s)
     assert bench.main(["--out", str(tmp_path), "--cases", "skewed", "--no-real"]) == 0
     doc = json.loads((tmp_path / "bench.json").read_text())
-    assert doc["real"] == [row] and doc["real_run"]["started"] == "2026-01-01 00:00 UTC"
+    earlier = {"command": ["--out", "x"], "started": "2026-01-01 00:00 UTC"}
+    assert doc["real"] == [row | {"run": earlier}]
     by = {r["policy"]: r for r in doc["sim"]}
     assert by["uniform"]["dense_trace"] == f"dense-{skewed.steps}.jsonl"
     # the technique's model is heavier than the dense one; balancing wins some of it back
     assert by["uniform"]["vs_dense"] < by["optimal"]["vs_dense"] < 1.0
     text = (tmp_path / "bench.md").read_text()
-    assert "kept from an earlier run, `dynmo bench --out x` (started 2026-01-01 00:00 UTC, 10 min)" in text
+    assert "Kept from an earlier invocation, `dynmo bench --out x` (started 2026-01-01 00:00 UTC): skewed (real)." in text
     assert "Technique alone and with dynmo at paper scale" in text
+    # another case measured later keeps skewed's rows, real and simulated, with their origin
+    moe = bench.CASES[1]
+    assert moe.name == "moe"
+    assert bench.main(["--out", str(tmp_path), "--cases", "moe", "--no-sim"]) == 0
+    doc2 = json.loads((tmp_path / "bench.json").read_text())
+    assert [r["case"] for r in doc2["real"]] == ["skewed", "moe"]
+    assert doc2["real"][0] == doc["real"][0] and doc2["sim"] == [r | {"run": r["run"]} for r in doc["sim"]]
+    assert doc2["real"][1]["run"]["command"] == ["--out", str(tmp_path), "--cases", "moe", "--no-sim"]
