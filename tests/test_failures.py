@@ -117,8 +117,11 @@ def test_without_restarts_a_kill_during_a_checkpoint_leaves_only_complete_ones(t
 # ---- run folders -------------------------------------------------------------------------------
 
 
-def test_a_run_folder_is_never_overwritten_without_being_asked(tmp_path, reference):
-    run_train(tmp_path, "--steps", "3", "--checkpoint.every", "3", "--log.tensorboard", "false")
+def test_a_run_folder_is_never_overwritten_without_being_asked(tmp_path, reference_run):
+    import shutil
+
+    shutil.copytree(reference_run, tmp_path, dirs_exist_ok=True)  # a finished run with checkpoints
+    assert checkpoints(tmp_path)
     (tmp_path / "notes.txt").write_text("mine")
     before = (tmp_path / "metrics.jsonl").read_text()
     p = train(tmp_path, "--steps", "2")
@@ -297,13 +300,13 @@ def test_elastic_restart_on_the_surviving_agent(tmp_path):
     after a checkpoint; the first restarts alone on 2 stages with a layout the balancer chose
     from the saved costs, and trains on the same trajectory as a resume from that checkpoint."""
     out, port = tmp_path / "run", _free_port()
-    args = ["--steps", "24", "--checkpoint.every", "4", "--max-restarts", "2", "--parallel.timeout_s", "20"]
+    args = ["--steps", "16", "--checkpoint.every", "4", "--max-restarts", "2", "--parallel.timeout_s", "20"]
     first = _agent(out, 2, port, *args)
     _wait_for_listener(port, first)  # the first agent hosts the rendezvous: the one that survives
     second = _agent(out, 1, port, *args)
     try:
         end = time.monotonic() + 240
-        while not (out / "checkpoint-8").is_dir():
+        while not (out / "checkpoint-4").is_dir():
             assert time.monotonic() < end and first.poll() is None, first.communicate()
             time.sleep(0.2)
         os.killpg(second.pid, signal.SIGKILL)  # the whole machine's agent, for good
@@ -320,8 +323,8 @@ def test_elastic_restart_on_the_surviving_agent(tmp_path):
     assert "resuming on 2 stages (saved on 3)" in stdout and "2 ranks (pp=2" in stdout
     start = json.loads((Path(resumed.group(1)) / "dynmo.json").read_text())["step"]
     got = losses(out)
-    assert [s for s, _ in got] == list(range(24))
+    assert [s for s, _ in got] == list(range(16))
     # the same checkpoint resumed by a fresh 2-rank job gives the same losses
     ref = tmp_path / "ref"
-    run_train(ref, "--steps", "24", "--checkpoint.resume", resumed.group(1), "--log.tensorboard", "false")
+    run_train(ref, "--steps", "16", "--checkpoint.resume", resumed.group(1), "--log.tensorboard", "false")
     assert [x for x in got if x[0] >= start] == losses(ref)
