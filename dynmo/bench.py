@@ -323,6 +323,25 @@ def sim_rows(case: BenchCase, out: Path) -> list[dict]:
     return rows
 
 
+def _latest_dense(rows: list[dict]) -> list[dict]:
+    """Rows measured at different times may carry different measurements of the same dense run
+    (the dense model at the same step count): every row gets the latest, and its ratios to it."""
+    latest: dict[int, tuple[str, dict]] = {}
+    for r in rows:
+        if r.get("dense"):
+            when = (r.get("run") or {}).get("started") or ""
+            if r["steps"] not in latest or when > latest[r["steps"]][0]:
+                latest[r["steps"]] = (when, r["dense"])
+    out = []
+    for r in rows:
+        if r.get("dense") and latest[r["steps"]][1] is not r["dense"]:
+            dn = latest[r["steps"]][1]
+            r = r | {"dense": dn, "technique_alone": r["tokens_per_s"]["uniform"] / dn["tokens_per_s"],
+                     "technique_dynmo": r["tokens_per_s"]["dynmo"] / dn["tokens_per_s"]}
+        out.append(r)
+    return out
+
+
 def _dense_trace(out: Path, case: BenchCase) -> Path | None:
     """A static trace of the case's dense model (`dense-<steps>.jsonl`, written by the real
     runs, or converted from a dense run's metrics.jsonl in OUT/runs): the one of the case's
@@ -360,7 +379,7 @@ def render(real: list[dict], sim: list[dict], missing: list[str], argv: list[str
         for r in rows:
             ran = r.get("run") or {}
             if ran and (ran.get("command") != argv or ran.get("started") != started):
-                key = (" ".join(ran.get("command") or []), ran.get("started") or "?")
+                key = (" ".join(ran.get("command") or ["..."]), ran.get("started") or "?")
                 label = f"{r['case']} ({kind})"
                 if label not in runs.setdefault(key, []):
                     runs[key].append(label)
@@ -526,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
     order = {c.name: i for i, c in enumerate(CASES)}
 
     def write() -> str:
-        all_real = sorted(kept_real + real, key=lambda r: order.get(r["case"], len(order)))
+        all_real = _latest_dense(sorted(kept_real + real, key=lambda r: order.get(r["case"], len(order))))
         all_sim = sorted(kept_sim + sim, key=lambda r: order.get(r["case"], len(order)))
         (out / "bench.json").write_text(json.dumps({"command": argv, "started": started,
                                                     "duration_s": round(time.perf_counter() - t0),
