@@ -1,6 +1,7 @@
 """`dynmo bench`: the headline benchmark.
 
     dynmo bench --out bench/ [--cases skewed,moe,...] [--steps N] [--repeats R] [--no-real] [--no-sim]
+                [--dense-only]
 
 1. Real runs on this machine, 2 pipeline ranks, for each dynamic-model case, long enough for
    the case's dynamism to develop (`BenchCase.steps`: pruning through its whole schedule,
@@ -13,7 +14,9 @@
      - `dynmo`: from uniform, the controller on (`auto`, or `dynamism` for cases that change on
        their own schedule);
      - `repack` (shrinking cases): dynmo with `balance.repack = true`, reported per worker;
-     - the dense model (the config without the technique) at the same step count, once.
+     - the dense model (the config without the technique: the same config with dense blocks, or
+       the default config for the cases that switch a technique on in it) at the same step
+       count, once per dense model (`--dense-only` trains only these).
    Reported: tokens/s of each (all steps but the first, migrations included); the headline,
    dynmo over the best of the three static layouts; dynmo over uniform; the technique alone
    (uniform) and with dynmo over the dense model, beside the DynMo paper's figure for the case;
@@ -68,14 +71,19 @@ class BenchCase:
     steps: int = 60  # real runs: long enough for the case's dynamism to develop
     extra: tuple[str, ...] = ()  # overrides of the case's config for the benchmark
     dense: str | None = DENSE  # the model without the technique; None: no dense counterpart
+    dense_extra: tuple[str, ...] = ()  # overrides that turn the technique off in `dense`
     repack: bool = False  # a shrinking model: also run dynmo with re-packing
 
 
 CASES = [
     BenchCase("skewed", "configs/skewed.toml", "auto", 24, 30, 48, steps=60),
-    BenchCase("moe", "configs/moe.toml", "auto", 16, 8, 32, steps=80),
-    BenchCase("mod", "configs/mod.toml", "auto", 16, 8, 32, steps=80),
-    BenchCase("hashattn", "configs/hashattn.toml", "auto", 24, 30, 48, steps=80),
+    # the dense counterpart of a block kind is the same config with dense blocks (same sizes, batch, data)
+    BenchCase("moe", "configs/moe.toml", "auto", 16, 8, 32, steps=80,
+              dense="configs/moe.toml", dense_extra=("--model.block", "dense")),
+    BenchCase("mod", "configs/mod.toml", "auto", 16, 8, 32, steps=80,
+              dense="configs/mod.toml", dense_extra=("--model.block", "dense")),
+    BenchCase("hashattn", "configs/hashattn.toml", "auto", 24, 30, 48, steps=80,
+              dense="configs/hashattn.toml", dense_extra=("--model.block", "dense")),
     # the whole cubic schedule (steps 10..50, to 90 %), then 70 steps at the final sparsity
     BenchCase("pruning", "configs/pruning.toml", "dynamism", 24, 30, 48, steps=120, repack=True),
     # the same schedule removing whole MLP units: the blocks' matrices really shrink
@@ -223,21 +231,33 @@ def real_row(case: BenchCase, out: Path, steps: int | None, repeats: int = 1, de
         "workers_final": {v: rs[0][-1].get("workers", 2) for v, rs in runs.items()},
     }
     if case.dense is not None and dense is not None:
-        key = (case.dense, n)
-        if key not in dense:
-            t = time.perf_counter()
-            recs = train(out / "runs" / f"dense-{n}", case.dense, "--steps", str(n), "--train.eval_every", str(n),
-                         "--balance.when", "never", "--trace", str((out / "traces" / f"dense-{n}.jsonl").resolve()))
-            dense[key] = {"tokens_per_s": throughput(recs), "val_loss": final_val(recs),
-                          "seconds": round(time.perf_counter() - t)}
-            print(f"  dense {case.dense} ({n} steps): {dense[key]['tokens_per_s']:,.0f} tok/s", file=sys.stderr,
-                  flush=True)
-        dn = dense[key]
+        dn = dense_run(case, out, n, dense)
         row["dense"] = dn
         row["technique_alone"] = med(tps["uniform"]) / dn["tokens_per_s"]
         row["technique_dynmo"] = med(tps["dynmo"]) / dn["tokens_per_s"]
     write_real_plots(case.name, runs, out / "plots" / case.name)
     return row
+
+
+def dense_name(case: BenchCase, steps: int) -> str:
+    """The run (and trace) name of a case's dense model: `dense-<steps>` for the default config,
+    shared by the cases that use it, else `dense-<case>-<steps>`."""
+    return f"dense-{steps}" if case.dense == DENSE and not case.dense_extra else f"dense-{case.name}-{steps}"
+
+
+def dense_run(case: BenchCase, out: Path, steps: int, cache: dict) -> dict:
+    """Train the case's dense model for `steps` (once per invocation and name), traced."""
+    name = dense_name(case, steps)
+    if name not in cache:
+        t = time.perf_counter()
+        recs = train(out / "runs" / name, case.dense, *case.dense_extra, "--steps", str(steps),
+                     "--train.eval_every", str(steps), "--balance.when", "never",
+                     "--trace", str((out / "traces" / f"{name}.jsonl").resolve()))
+        cache[name] = {"name": name, "tokens_per_s": throughput(recs), "val_loss": final_val(recs),
+                       "seconds": round(time.perf_counter() - t)}
+        print(f"  {name} ({case.dense} {' '.join(case.dense_extra)}): {cache[name]['tokens_per_s']:,.0f} tok/s",
+              file=sys.stderr, flush=True)
+    return cache[name]
 
 
 def write_real_plots(name: str, runs: dict[str, list[list[dict]]], out_dir: Path) -> None:
@@ -323,21 +343,28 @@ def sim_rows(case: BenchCase, out: Path) -> list[dict]:
     return rows
 
 
-def _latest_dense(rows: list[dict]) -> list[dict]:
-    """Rows measured at different times may carry different measurements of the same dense run
-    (the dense model at the same step count): every row gets the latest, and its ratios to it."""
-    latest: dict[int, tuple[str, dict]] = {}
+def _latest_dense(rows: list[dict], measured: dict) -> list[dict]:
+    """Rows measured at different times may carry different measurements of the same dense run:
+    every row gets the latest (this invocation's, else the latest kept one), and its ratios."""
+    known = {c.name: c for c in CASES}
+    latest: dict[str, tuple[str, dict]] = {}
     for r in rows:
         if r.get("dense"):
+            name = r["dense"].get("name") or f"dense-{r['steps']}"
             when = (r.get("run") or {}).get("started") or ""
-            if r["steps"] not in latest or when > latest[r["steps"]][0]:
-                latest[r["steps"]] = (when, r["dense"])
+            if name not in latest or when > latest[name][0]:
+                latest[name] = (when, r["dense"])
     out = []
     for r in rows:
-        if r.get("dense") and latest[r["steps"]][1] is not r["dense"]:
-            dn = latest[r["steps"]][1]
-            r = r | {"dense": dn, "technique_alone": r["tokens_per_s"]["uniform"] / dn["tokens_per_s"],
-                     "technique_dynmo": r["tokens_per_s"]["dynmo"] / dn["tokens_per_s"]}
+        case = known.get(r["case"])
+        if case is not None and case.dense is not None and "tokens_per_s" in r:
+            name = dense_name(case, r["steps"])
+            dn = measured.get(name) or latest.get(name, (None, None))[1]
+            if dn is None:  # measured before dense runs were named per case: not this case's dense model
+                r = {k: v for k, v in r.items() if k not in ("dense", "technique_alone", "technique_dynmo")}
+            elif dn is not r.get("dense"):
+                r = r | {"dense": dn, "technique_alone": r["tokens_per_s"]["uniform"] / dn["tokens_per_s"],
+                         "technique_dynmo": r["tokens_per_s"]["dynmo"] / dn["tokens_per_s"]}
         out.append(r)
     return out
 
@@ -354,10 +381,12 @@ def _dense_trace(out: Path, case: BenchCase) -> Path | None:
         path = out / "traces" / f"{run.name}.jsonl"
         if not path.is_file() and (run / "metrics.jsonl").is_file():
             load_trace(run).write(path)
-    exact = out / "traces" / f"dense-{case.steps}.jsonl"
+    exact = out / "traces" / f"{dense_name(case, case.steps)}.jsonl"
     if exact.is_file():
         return exact
-    found = sorted((out / "traces").glob("dense-*.jsonl"))
+    # another step count of the same dense model
+    pattern = "dense-[0-9]*.jsonl" if dense_name(case, 1) == "dense-1" else f"dense-{case.name}-[0-9]*.jsonl"
+    found = sorted((out / "traces").glob(pattern))
     return found[0] if found else None
 
 
@@ -513,6 +542,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1, help="alternating rounds of all variants per case (default 1)")
     ap.add_argument("--no-real", action="store_true", help="skip the real runs, simulate from traces already in OUT/traces")
     ap.add_argument("--no-sim", action="store_true", help="skip the paper-scale simulation")
+    ap.add_argument("--dense-only", action="store_true",
+                    help="of the real runs, train only the cases' dense models (the other rows are kept)")
     args = ap.parse_args(argv)
     if args.repeats < 1 or (args.steps is not None and args.steps < PROFILE_STEPS + 2):
         ap.error(f"--repeats must be >= 1 and --steps >= {PROFILE_STEPS + 2}")
@@ -535,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
             old = json.loads((out / "bench.json").read_text())
             old_run = {"command": old.get("command"), "started": old.get("started")}
             kept_real = [r | {"run": r.get("run") or old_run} for r in old.get("real", [])
-                         if args.no_real or r["case"] not in wanted]
+                         if args.no_real or args.dense_only or r["case"] not in wanted]
             kept_sim = [r | {"run": r.get("run") or old_run} for r in old.get("sim", [])
                         if args.no_sim or r["case"] not in wanted]
         except (OSError, ValueError, AttributeError, TypeError, KeyError) as e:
@@ -545,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
     order = {c.name: i for i, c in enumerate(CASES)}
 
     def write() -> str:
-        all_real = _latest_dense(sorted(kept_real + real, key=lambda r: order.get(r["case"], len(order))))
+        all_real = _latest_dense(sorted(kept_real + real, key=lambda r: order.get(r["case"], len(order))), dense)
         all_sim = sorted(kept_sim + sim, key=lambda r: order.get(r["case"], len(order)))
         (out / "bench.json").write_text(json.dumps({"command": argv, "started": started,
                                                     "duration_s": round(time.perf_counter() - t0),
@@ -560,7 +591,13 @@ def main(argv: list[str] | None = None) -> int:
         if not (ROOT / case.config).is_file():
             missing.append(f"{name}: {case.config} does not exist")
             continue
-        if not args.no_real:
+        if args.dense_only and case.dense is not None:
+            print(f"dynmo bench: {name} (its dense model, 2 ranks)", file=sys.stderr, flush=True)
+            try:
+                dense_run(case, out, args.steps or case.steps, dense)
+            except RuntimeError as e:
+                missing.append(f"{name}: dense run failed: {str(e).splitlines()[0]}")
+        elif not args.no_real and not args.dense_only:
             print(f"dynmo bench: {name} (real, 2 ranks)", file=sys.stderr, flush=True)
             try:
                 real.append(real_row(case, out, args.steps, args.repeats, dense) | {"run": run})

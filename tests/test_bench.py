@@ -138,3 +138,29 @@ def test_no_real_keeps_the_real_rows_and_compares_with_the_dense_trace_at_paper_
     assert [r["case"] for r in doc2["real"]] == ["skewed", "moe"]
     assert doc2["real"][0] == doc["real"][0] and doc2["sim"] == [r | {"run": r["run"]} for r in doc["sim"]]
     assert doc2["real"][1]["run"]["command"] == ["--out", str(tmp_path), "--cases", "moe", "--no-sim"]
+
+
+def test_each_block_kind_is_compared_with_its_own_dense_model(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_train(out, config, *extra):
+        calls.append((out.name, config, extra[:2]))
+        return [_rec(200.0 if out.name.startswith("dense") else 100.0, step=k) for k in range(8)]
+
+    monkeypatch.setattr(bench, "train", fake_train)
+    monkeypatch.setattr(bench, "write_real_plots", lambda *a: None)
+    moe = next(c for c in bench.CASES if c.name == "moe")
+    assert bench.dense_name(moe, 8) == "dense-moe-8" and bench.dense_name(bench.CASES[0], 8) == "dense-8"
+    row = bench.real_row(moe, tmp_path, steps=8, dense={})
+    assert ("dense-moe-8", "configs/moe.toml", ("--model.block", "dense")) in calls
+    assert row["dense"]["name"] == "dense-moe-8" and row["technique_alone"] == 0.5
+    # a row measured against another model's dense run loses that comparison, and --dense-only
+    # measures the right one without training the case's variants again
+    stale = row | {"dense": {"tokens_per_s": 50.0}, "technique_alone": 2.0, "steps": moe.steps}
+    (tmp_path / "bench.json").write_text(json.dumps({"command": ["x"], "started": "s", "real": [stale]}))
+    assert "technique_alone" not in bench._latest_dense([stale], {})[0]
+    calls.clear()
+    assert bench.main(["--out", str(tmp_path), "--cases", "moe", "--dense-only", "--no-sim"]) == 0
+    assert [c[0] for c in calls] == [f"dense-moe-{moe.steps}"]
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert doc["real"][0]["technique_alone"] == 0.5 and doc["real"][0]["dense"]["name"] == f"dense-moe-{moe.steps}"
