@@ -54,6 +54,8 @@ class Problem:
     cap: np.ndarray = field(init=False, repr=False, compare=False)
     s: np.ndarray = field(init=False, repr=False, compare=False)
     t: np.ndarray = field(init=False, repr=False, compare=False)
+    tf: np.ndarray = field(init=False, repr=False, compare=False)  # per link: forward transfer
+    tb: np.ndarray = field(init=False, repr=False, compare=False)  # per link: backward transfer
 
     def __post_init__(self) -> None:
         p = self.stages
@@ -79,12 +81,14 @@ class Problem:
             if self.memory is None:
                 raise BalanceError("capacity is given but memory is not: give per-layer memory too")
         s = np.ones(p) if self.speeds is None else _vector("speeds", self.speeds, p, allow_zero=False)
-        t = np.zeros(p)
-        if self.transfer is not None:
-            tt = _scalar_or_vector("transfer", self.transfer, p - 1, allow_zero=True) if p > 1 else np.zeros(0)
-            t[: p - 1] = tt
+        tf, tb = np.zeros(p - 1), np.zeros(p - 1)
+        if self.transfer is not None and p > 1:
+            tf = _scalar_or_vector("transfer", self.transfer, p - 1, allow_zero=True)
         if self.transfer_back is not None and p > 1:
-            t[1:] += _scalar_or_vector("transfer_back", self.transfer_back, p - 1, allow_zero=True)
+            tb = _scalar_or_vector("transfer_back", self.transfer_back, p - 1, allow_zero=True)
+        t = np.zeros(p)
+        t[: p - 1] += tf
+        t[1:] += tb
         if self.current is not None:
             bounds = _int_list("current", self.current)
             try:
@@ -98,7 +102,7 @@ class Problem:
                 )
             object.__setattr__(self, "current", list(cur.boundaries))
         _check_overflow(c, m, s, t)
-        for name, v in (("c", c), ("m", m), ("cap", cap), ("s", s), ("t", t)):
+        for name, v in (("c", c), ("m", m), ("cap", cap), ("s", s), ("t", t), ("tf", tf), ("tb", tb)):
             v.setflags(write=False)
             object.__setattr__(self, name, v)
 
@@ -131,9 +135,8 @@ class Problem:
         """
         w = list(workers)
         cap = None if self.capacity is None else [float(self.cap[i]) for i in w]
-        fwd, back = self._link_parts()
-        t = [float(fwd[i]) for i in w[:-1]]
-        tb = [float(back[i]) for i in w[:-1]]
+        t = [float(self.tf[i]) for i in w[:-1]]
+        tb = [float(self.tb[i]) for i in w[:-1]]
         return Problem(
             costs=self.c.tolist(),
             stages=len(w),
@@ -143,16 +146,6 @@ class Problem:
             transfer=t if t else None,
             transfer_back=tb if tb and any(tb) else None,
         )
-
-    def _link_parts(self) -> tuple[np.ndarray, np.ndarray]:
-        """Per link j (pipeline position j -> j+1): the forward and the backward transfer."""
-        p = self.stages
-        fwd, back = np.zeros(max(p - 1, 0)), np.zeros(max(p - 1, 0))
-        if p > 1 and self.transfer is not None:
-            fwd[:] = _scalar_or_vector("transfer", self.transfer, p - 1, allow_zero=True)
-        if p > 1 and self.transfer_back is not None:
-            back[:] = _scalar_or_vector("transfer_back", self.transfer_back, p - 1, allow_zero=True)
-        return fwd, back
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Problem":
