@@ -242,7 +242,11 @@ def real_row(case: BenchCase, out: Path, steps: int | None, repeats: int = 1, de
 def dense_name(case: BenchCase, steps: int) -> str:
     """The run (and trace) name of a case's dense model: `dense-<steps>` for the default config,
     shared by the cases that use it, else `dense-<case>-<steps>`."""
-    return f"dense-{steps}" if case.dense == DENSE and not case.dense_extra else f"dense-{case.name}-{steps}"
+    return f"{_dense_prefix(case)}{steps}"
+
+
+def _dense_prefix(case: BenchCase) -> str:
+    return "dense-" if case.dense == DENSE and not case.dense_extra else f"dense-{case.name}-"
 
 
 def dense_run(case: BenchCase, out: Path, steps: int, cache: dict) -> dict:
@@ -385,8 +389,7 @@ def _dense_trace(out: Path, case: BenchCase) -> Path | None:
     if exact.is_file():
         return exact
     # another step count of the same dense model
-    pattern = "dense-[0-9]*.jsonl" if dense_name(case, 1) == "dense-1" else f"dense-{case.name}-[0-9]*.jsonl"
-    found = sorted((out / "traces").glob(pattern))
+    found = sorted((out / "traces").glob(f"{_dense_prefix(case)}[0-9]*.jsonl"))
     return found[0] if found else None
 
 

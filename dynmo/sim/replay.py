@@ -452,9 +452,10 @@ def _run_dynamic(trace: Trace, runner: _Runner, stages: int, balancer: str, do_r
                  opts: ReplayOptions, res: PolicyResult) -> None:
     """The trainer's loop, on traced costs: decide before each step, observe after it."""
     h = trace.header
+    links = runner.link_times(stages)  # the same each way: the engine's transfers are symmetric
     loop = DynmoLoop(replace(opts.balance, balancer=balancer, repack=do_repack), microbatches=runner.m,
                      schedule=runner.schedule, layer_params=h.params, layer_bytes=h.layer_bytes,
-                     transfer=runner.link_times(stages), transfer_back=runner.link_times(stages),
+                     transfer=links, transfer_back=links,
                      migration_fixed_s=opts.migration_fixed_s, migration_bandwidth=opts.migration_bandwidth)
     layout = _static_layout(opts.initial, trace, stages, runner)
     m = runner.m
