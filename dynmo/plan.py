@@ -59,6 +59,19 @@ def initial_layout(cfg: Config, num_stages: int, layer_params: list[int] | None 
     return explicit_layout(cfg.parallel.layout, cfg, num_stages, "parallel.layout")
 
 
+def first_layout(cfg: Config, num_stages: int, layer_params: list[int], saved_costs: list[float] | None = None,
+                 saved_layout: list[int] | None = None) -> tuple[Layout, bool]:
+    """The layout a run starts on, and whether it was re-balanced: `parallel.layout`, except when
+    resuming on a different number of stages than the checkpoint was saved with (an elastic
+    restart on fewer workers) and the layout is not explicit. Then the balancer lays the layers
+    out on the costs measured before the save."""
+    explicit = cfg.parallel.layout.strip().lower() not in ("uniform", "params")
+    if (not saved_costs or not saved_layout or len(saved_layout) - 1 == num_stages or explicit
+            or cfg.parallel.virtual_stages != 1):
+        return initial_layout(cfg, num_stages, layer_params), False
+    return Layout(tuple(balance(Problem(costs=saved_costs, stages=num_stages), cfg.balance.balancer).boundaries)), True
+
+
 def parse_relayouts(cfg: Config, num_stages: int) -> dict[int, Layout]:
     """`parallel.relayout` entries "STEP:LAYOUT" -> {step: layout}; a layout with fewer stages is
     a re-pack, and later entries apply to the shrunk pipeline. Steps are 0-based, at most one
