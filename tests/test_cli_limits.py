@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import dynmo.jsonio as jsonio
 import dynmo.sim.cli as sim_cli
-import dynmo.sim.trace as trace_mod
+import dynmo.sim.trace.limits as trace_mod
 from dynmo.balance import BalanceError, Problem, balance
 from dynmo.balance import cli as balance_cli
 from dynmo.balance.static import DEEPSPEED_MAX_WORK

@@ -1,0 +1,39 @@
+"""Per-layer cost traces: what a real run measured, step by step, for the simulator to replay.
+
+Pure (stdlib + numpy; no torch). Format (JSON Lines, documented in docs/simulator.md):
+
+    line 1   header: {"format": "dynmo-trace", "version": 1, "layers": [...], "kinds": [...],
+                      "params": [...], "layer_bytes": [...], "microbatches", "pp", "dp",
+                      "virtual_stages", "schedule", "tokens_per_microbatch", "case",
+                      "config", "source"}
+    line 2+  one step: {"step", "fwd": [...], "bwd": [...], ("wgrad": [...]), "layout",
+                        "iteration_s", "step_s", "events": [...], ("stats": {...})}
+
+`fwd`/`bwd` are seconds per microbatch per layer (as `layer_fwd_s`/`layer_bwd_s` in
+metrics.jsonl; `bwd` is the full backward, weight gradient included).
+
+    w = TraceWriter("run.trace.jsonl", TraceHeader.from_config(cfg.to_dict(), params, pp, dp))
+    w.write_step(record)      # the run's StepRecord (dynmo.record), every step
+    w.close()
+    t = load_trace("run.trace.jsonl")           # or trace_from_metrics("runs/skewed")
+    big = scale_trace(t, blocks=48)             # paper-sized: 48 blocks, same dynamics
+"""
+
+from dynmo.loop import BYTES_PER_PARAM
+from dynmo.sim.trace.costs import Trace
+from dynmo.sim.trace.format import FORMAT, VERSION, TraceHeader, TraceStep, case_name, config_summary
+from dynmo.sim.trace.from_metrics import trace_from_metrics
+from dynmo.sim.trace.limits import (
+    MAX_COUNT, MAX_DP, MAX_LAYERS, MAX_MICROBATCHES, MAX_NOISE, MAX_STAGES, MAX_STEPS, MAX_TRACE_BYTES,
+    MAX_TRACE_CELLS, MAX_TRACE_ITEMS, TraceError, check_size,
+)
+from dynmo.sim.trace.read import load_trace
+from dynmo.sim.trace.scale import block_map, scale_trace
+from dynmo.sim.trace.writer import TraceWriter
+
+__all__ = [
+    "BYTES_PER_PARAM", "FORMAT", "VERSION", "MAX_COUNT", "MAX_DP", "MAX_LAYERS", "MAX_MICROBATCHES", "MAX_NOISE",
+    "MAX_STAGES", "MAX_STEPS", "MAX_TRACE_BYTES", "MAX_TRACE_CELLS", "MAX_TRACE_ITEMS", "Trace", "TraceError",
+    "TraceHeader", "TraceStep", "TraceWriter", "block_map", "case_name", "check_size", "config_summary", "load_trace",
+    "scale_trace", "trace_from_metrics",
+]
