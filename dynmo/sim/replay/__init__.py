@@ -1,0 +1,64 @@
+"""Replay a per-layer cost trace under balancing policies on a pipeline of any size. Pure.
+
+    from dynmo.sim.replay import replay, ReplayOptions
+    results = replay(trace, stages=24, dp=30, policies=["uniform", "optimal", "optimal+repack", "oracle"])
+    for r in results: r.policy, r.steps_per_s, r.speedup, r.speedup_vs_best_static, r.workers_final
+
+Per traced step k the costs c_i(k) (forward and backward seconds per microbatch of every layer)
+are summed over each stage of the policy's layout, and the event-driven engine runs one
+iteration of the schedule with them. Policies:
+
+  uniform, params      static: equal layers per stage (Megatron) / DeepSpeed's partition of
+                       the parameter counts, kept for the whole run;
+  profile-once         static: what a careful user picks by profiling once -- the optimal
+                       contiguous layout of the per-layer median of the costs the profiler
+                       measured on steps 1 .. profile_steps (step 0 warms up), with the link
+                       times the dynamic policies see; never changed;
+  <balancer>           dynamic: `dynmo.loop.DynmoLoop` (the object the trainer drives, built
+                       from the same `[balance]` config) observes each step's costs after the
+                       step and decides before the next one with that balancer (optimal, deepspeed fed times,
+                       diffusion-contiguous, uniform); a migration costs fixed + bytes /
+                       bandwidth and the balancer's measured decide time is charged too;
+  <balancer>+repack    the same with the controller's re-packing on (`balance.repack = true`,
+                       which calls `dynmo.balance.repack`): at a decision point it packs the
+                       layers onto the fewest stages whose optimal bottleneck stays within the
+                       tolerance; released workers never return; optionally the microbatch
+                       count is re-tuned for the shorter pipeline (balance.retune_microbatches);
+  oracle               per step the optimal contiguous layout for that step's own costs (and
+                       the link times the dynamic policies see), with no migration or decide
+                       cost: the oracle bound.
+
+Every result carries its speedup over static uniform (`speedup`) and over the best static
+layout a careful user could pick (`speedup_vs_best_static`: the fastest total time among
+uniform, params and profile-once, replayed for the comparison when not asked for), and its
+cost in worker-seconds (`worker_s`, per-worker throughput): re-packing shows as the same
+training on fewer workers.
+
+Links. `ReplayOptions.comm` is the transfer time of an activation (and of its gradient) on
+every link between neighbouring stages, `ReplayOptions.link_delay[j]` an extra delay per
+transfer on link j (stage j <-> j+1), as the paper's network experiment injects; the engine
+adds it to that link's transfers. With `balance.links = "measure"` (the runtime's default)
+the controller, profile-once and the oracle see each link's per-microbatch time, as the
+runtime's probe measures it: comm + delay_j for the activation, charged to stage j
+(`dynmo.balance.Problem.transfer`), and the same for its gradient, charged to stage j+1
+(`Problem.transfer_back`); with `"free"` they balance compute only. `replay_link_delays` runs the network experiment: the same trace at link delays
+of 0x, 1x, 2x, 4x a base time, link-aware against compute-only.
+"""
+
+from __future__ import annotations
+
+from dynmo.sim.replay.links import LINK_MODES, replay_link_delays
+from dynmo.sim.replay.options import (
+    DEFAULT_POLICIES, DYNAMIC, GRAD_BYTES_PER_PARAM, LINK_DELAY_FACTORS, PROFILE_STEPS, STATIC, ReplayOptions,
+    default_policies, parse_policy, replay_balance,
+)
+from dynmo.sim.replay.policies import profile_once_layout
+from dynmo.sim.replay.render import link_delay_table, summary_table, trace_summary
+from dynmo.sim.replay.result import PolicyResult
+from dynmo.sim.replay.run import replay
+
+__all__ = [
+    "DEFAULT_POLICIES", "DYNAMIC", "GRAD_BYTES_PER_PARAM", "LINK_DELAY_FACTORS", "LINK_MODES", "PROFILE_STEPS", "STATIC",
+    "PolicyResult", "ReplayOptions", "default_policies", "link_delay_table", "parse_policy", "profile_once_layout",
+    "replay", "replay_balance", "replay_link_delays", "summary_table", "trace_summary",
+]

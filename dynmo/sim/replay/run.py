@@ -1,0 +1,88 @@
+"""`replay`: every asked-for policy on one trace, with speedups over uniform and over the best static layout."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from dynmo.balance import BalanceError
+from dynmo.sim.engine import SimInputError
+from dynmo.sim.replay.options import STATIC, ReplayOptions, default_policies, parse_policy
+from dynmo.sim.replay.policies import run_dynamic, run_oracle, run_static, static_layout
+from dynmo.sim.replay.result import PolicyResult
+from dynmo.sim.replay.runner import Runner
+from dynmo.sim.trace import Trace
+
+
+def replay(trace: Trace, stages: int | None = None, dp: int | None = None,
+           policies: Sequence[str] | None = None, options: ReplayOptions | None = None) -> list[PolicyResult]:
+    """Replay `trace` on `stages` pipeline stages x `dp` replicas under each policy.
+
+    `stages` and `dp` default to the traced run's; `policies` to `default_policies`. `speedup` is relative to static
+    uniform, `speedup_vs_best_static` to the fastest of the static policies (uniform, params, profile-once; each
+    replayed for the comparison even when not asked for, and then not returned).
+    """
+    opts = options or ReplayOptions()
+    opts.check()
+    h = trace.header
+    stages = int(stages or h.pp * h.virtual_stages)
+    dp = int(dp or h.dp)
+    if dp < 1:
+        raise SimInputError(f"dp must be >= 1, got {dp}")
+    if stages > trace.num_layers:
+        raise SimInputError(f"cannot split {trace.num_layers} layers into {stages} stages; "
+                            "scale the trace to more blocks (--scale-blocks) or use fewer stages")
+    if policies is None:
+        policies = default_policies(trace, opts)
+    parsed = [(p, *parse_policy(p)) for p in policies]
+    runner = Runner(trace, dp, opts, stages)
+    if runner.v > 1 and any(rp for _, _, rp in parsed):
+        raise SimInputError(f"re-packing needs one stage per rank (GPipe or 1F1B), as in the runtime; "
+                            f"{runner.schedule} runs {runner.v}: drop the +repack policies")
+    runner.plan(stages)  # fail early on a bad shape
+    tokens = None
+    if h.tokens_per_microbatch:
+        tokens = float(h.tokens_per_microbatch) * runner.m * dp
+    out: dict[str, PolicyResult] = {}
+    for name, base, rp in parsed:
+        if name in out:
+            continue
+        res = PolicyResult(name, tokens_per_step=tokens)
+        if base in STATIC:
+            run_static(trace, runner, static_layout(base, trace, stages, runner), res)
+        elif base == "oracle":
+            run_oracle(trace, runner, stages, res)
+        else:
+            run_dynamic(trace, runner, stages, base, rp, opts, res)
+        out[name] = res
+    # the static references, replayed for the comparison when not asked for
+    statics: dict[str, PolicyResult] = {}
+    for name in STATIC:
+        if name in out:
+            statics[name] = out[name]
+            continue
+        ref = PolicyResult(name, tokens_per_step=tokens)
+        try:
+            layout = static_layout(name, trace, stages, runner)
+        except BalanceError:
+            if name == "params":  # DeepSpeed's partition is refused beyond its size limit: not a reference then
+                continue
+            raise
+        run_static(trace, runner, layout, ref)
+        statics[name] = ref
+    ref = statics["uniform"]
+    best = min(statics.values(), key=lambda r: r.total_s)  # ties: the first in STATIC order
+    for r in out.values():
+        r.speedup = ref.total_s / r.total_s if r.total_s > 0 else None
+        r.speedup_per_worker = ref.worker_s / r.worker_s if r.worker_s > 0 else None
+        r.speedup_vs_best_static = best.total_s / r.total_s if r.total_s > 0 else None
+        r.best_static = best.policy
+    return _ordered(out, [p for p, _, _ in parsed])
+
+
+def _ordered(out: dict[str, PolicyResult], names: list[str]) -> list[PolicyResult]:
+    seen, res = set(), []
+    for n in names:
+        if n not in seen:
+            seen.add(n)
+            res.append(out[n])
+    return res

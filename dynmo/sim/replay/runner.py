@@ -1,0 +1,96 @@
+"""Simulating one traced step on a layout: stage times from the trace, one iteration of the schedule."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dynmo.layout import Layout
+from dynmo.sim.engine import SimInputError, StageTimes, ring_allreduce_time, simulate_plan
+from dynmo.sim.replay.options import GRAD_BYTES_PER_PARAM, ReplayOptions, schedule_of
+from dynmo.sim.replay.result import PolicyResult
+from dynmo.sim.schedules import Plan, build_plan
+from dynmo.sim.trace import Trace
+
+
+class Runner:
+    """Builds plans once per shape and simulates one step for a layout."""
+
+    def __init__(self, trace: Trace, dp: int, opts: ReplayOptions, stages: int):
+        h = trace.header
+        self.opts, self.dp = opts, dp
+        self.schedule, self.v = schedule_of(trace, opts)
+        self.delay = None  # injected delay per link (stage j <-> j+1), on the replay's stages
+        if opts.link_delay is not None:
+            self.delay = np.asarray(opts.link_delay, dtype=float)
+            if self.delay.shape != (max(stages - 1, 0),):
+                raise SimInputError(f"link_delay needs one value per link between the {stages} stages: "
+                                    f"{stages - 1} values, got {self.delay.size}")
+        self.m = int(opts.microbatches or h.microbatches)
+        self.fwd, self.bwd, self.wgrad = trace.fwd(), trace.bwd(), trace.wgrad()
+        self.costs = self.fwd + self.bwd
+        self.observed = trace.controller_costs()  # what the runtime's controller sees
+        # sequences per replica per step, for re-tuning: M microbatches of the traced size
+        seq = int(h.config.get("model", {}).get("seq_len") or 0)
+        per_mb = h.tokens_per_microbatch // seq if h.tokens_per_microbatch and seq else 1
+        self.local_batch = per_mb * self.m
+        self.params = np.asarray(h.params, dtype=float)
+        self.plans: dict[tuple[int, int], Plan] = {}
+
+    def link_times(self, stages: int) -> list[float] | None:
+        """Per link j (stage j <-> j+1) of the first `stages` positions: the seconds per
+        microbatch and direction, as the runtime's probe measures them -- comm + delay_j,
+        charged by the load model to stage j for the activation and to stage j+1 for its
+        gradient; 0 where both stages share a rank (the engine hands over for free there).
+        None with `balance.links = "free"` or when every link is free."""
+        if self.opts.balance.links == "free" or stages < 2:
+            return None
+        t = np.full(stages - 1, float(self.opts.comm))
+        if self.delay is not None:
+            t = t + self.delay[: stages - 1]
+        rank = self.plan(stages).stage_rank
+        t = np.where([rank[j] != rank[j + 1] for j in range(stages - 1)], t, 0.0)
+        return t.tolist() if np.any(t > 0) else None
+
+    def profile_costs(self) -> np.ndarray:
+        """profile-once's per-layer costs: the median over steps 1 .. profile_steps of what the
+        runtime's profiler measured (step 0, the warm-up, left out unless it is the only one)."""
+        n = len(self.observed)
+        lo = 1 if n > 1 else 0
+        return np.median(self.observed[lo:min(n, 1 + self.opts.profile_steps)], axis=0)
+
+    def plan(self, stages: int, m: int | None = None) -> Plan:
+        m = m or self.m
+        if (stages, m) not in self.plans:
+            if stages % self.v:
+                raise SimInputError(f"{self.schedule} with {self.v} stages per rank needs a multiple of {self.v} stages, got {stages}")
+            self.plans[(stages, m)] = build_plan(self.schedule, stages // self.v, m, stages_per_rank=self.v)
+        return self.plans[(stages, m)]
+
+    def step(self, k: int, layout: Layout, res: PolicyResult, m: int | None = None) -> None:
+        """Simulate step k on `layout` with m microbatches (default M; the local batch is kept,
+        so a microbatch is M / m times the traced size and costs that much more)."""
+        m = m or self.m
+        scale = self.m / m
+        b = np.asarray(layout.boundaries[:-1])
+        f = np.add.reduceat(self.fwd[k], b) * scale
+        bw = np.add.reduceat(self.bwd[k], b) * scale
+        w = None if self.wgrad is None else np.add.reduceat(self.wgrad[k], b) * scale
+        ar = 0.0
+        if self.opts.allreduce_bandwidth and self.dp > 1:
+            grad_bytes = np.add.reduceat(self.params, b) * GRAD_BYTES_PER_PARAM
+            ar = ring_allreduce_time(grad_bytes, self.dp, self.opts.allreduce_bandwidth, self.opts.allreduce_latency)
+        o = self.opts.op_overhead
+        # an injected delay is per transfer: it does not grow with a re-tuned microbatch's size
+        delay = None if self.delay is None else self.delay[: layout.num_stages - 1]
+        times = StageTimes.build(f + o, bw + o, m, wgrad=w, comm=self.opts.comm * scale, allreduce=ar,
+                                 link_delay=delay)
+        plan = self.plan(layout.num_stages, m)
+        sim = simulate_plan(plan, times, dp=self.dp, p2p=self.opts.p2p, split_bubble=False)
+        loads = ((f + bw) / scale).tolist()  # per traced-size microbatch, comparable across policies
+        res.iteration_s.append(sim.iteration_time)
+        res.bubble_ratio.append(sim.bubble_ratio)
+        res.stage_loads.append(loads)
+        res.bottleneck_s.append(max(loads))
+        res.layouts.append(list(layout.boundaries))
+        res.workers.append(plan.num_ranks * self.dp)
+        res.microbatches.append(m)
