@@ -3,6 +3,7 @@
 import json
 
 from dynmo import bench
+from dynmo.sim.replay import PROFILE_STEPS
 
 
 def test_unknown_case_is_an_error(capsys):
@@ -37,9 +38,9 @@ def _rec(tps, costs=(1.0, 1.0, 1.0, 1.0), layout=(0, 2, 4), workers=2, step=0):
 
 def test_profile_once_is_the_optimal_layout_of_the_first_steps_after_warm_up():
     warm = _rec(1.0, costs=(1.0, 1.0, 1.0, 9.0))  # step 0: left out
-    early = [_rec(1.0, costs=(3.0, 1.0, 1.0, 1.0)) for _ in range(bench.PROFILE_STEPS)]
+    early = [_rec(1.0, costs=(3.0, 1.0, 1.0, 1.0)) for _ in range(PROFILE_STEPS)]
     late = _rec(1.0, costs=(1.0, 1.0, 1.0, 3.0))  # after the profile: never looked at
-    assert bench.profile_once_layout([warm, *early, late]) == [0, 1, 4]
+    assert bench.profile_once_of([warm, *early, late]) == [0, 1, 4]
 
 
 def test_per_worker_figures_credit_released_workers():
@@ -61,8 +62,8 @@ def test_variants_alternate_and_the_headline_is_over_the_best_static_layout(tmp_
         t = next(tps)
         return [_rec(t, costs=(3.0, 1.0, 1.0, 1.0), step=k) for k in range(8)]
 
-    monkeypatch.setattr(bench, "train", fake_train)
-    monkeypatch.setattr(bench, "write_real_plots", lambda *a: None)
+    monkeypatch.setattr(bench.run, "train", fake_train)
+    monkeypatch.setattr(bench.run, "write_real_plots", lambda *a: None)
     row = bench.real_row(bench.CASES[0], tmp_path, steps=8, repeats=3)
     assert calls[:4] == [("skewed-uniform", "never", "uniform"), ("skewed-params", "never", "params"),
                          ("skewed-profile-once", "never", "0,1,4"), ("skewed-dynmo", "auto", None)]
@@ -85,8 +86,8 @@ def test_shrinking_cases_run_repack_and_the_dense_model_once(tmp_path, monkeypat
         workers = 1 if "repack" in out.name else 2
         return [_rec(100.0, workers=workers if k > 3 else 2, step=k) for k in range(8)]
 
-    monkeypatch.setattr(bench, "train", fake_train)
-    monkeypatch.setattr(bench, "write_real_plots", lambda *a: None)
+    monkeypatch.setattr(bench.run, "train", fake_train)
+    monkeypatch.setattr(bench.run, "write_real_plots", lambda *a: None)
     dense: dict = {}
     pruning = next(c for c in bench.CASES if c.name == "pruning")
     freezing = next(c for c in bench.CASES if c.name == "freezing")
@@ -105,8 +106,8 @@ def test_no_real_keeps_the_real_rows_and_compares_with_the_dense_trace_at_paper_
     from dynmo.sim.trace import TraceWriter
     from tests.test_sim_replay import make_trace
 
-    monkeypatch.setattr(bench, "train", lambda out, config, *extra: [_rec(100.0, step=k) for k in range(8)])
-    monkeypatch.setattr(bench, "write_real_plots", lambda *a: None)
+    monkeypatch.setattr(bench.run, "train", lambda out, config, *extra: [_rec(100.0, step=k) for k in range(8)])
+    monkeypatch.setattr(bench.run, "write_real_plots", lambda *a: None)
     skewed = bench.CASES[0]
     row = bench.real_row(skewed, tmp_path, steps=8)
     (tmp_path / "bench.json").write_text(json.dumps({"command": ["--out", "x"], "started": "2026-01-01 00:00 UTC",
@@ -147,8 +148,8 @@ def test_each_block_kind_is_compared_with_its_own_dense_model(tmp_path, monkeypa
         calls.append((out.name, config, extra[:2]))
         return [_rec(200.0 if out.name.startswith("dense") else 100.0, step=k) for k in range(8)]
 
-    monkeypatch.setattr(bench, "train", fake_train)
-    monkeypatch.setattr(bench, "write_real_plots", lambda *a: None)
+    monkeypatch.setattr(bench.run, "train", fake_train)
+    monkeypatch.setattr(bench.run, "write_real_plots", lambda *a: None)
     moe = next(c for c in bench.CASES if c.name == "moe")
     assert bench.dense_name(moe, 8) == "dense-moe-8" and bench.dense_name(bench.CASES[0], 8) == "dense-8"
     row = bench.real_row(moe, tmp_path, steps=8, dense={})
@@ -158,7 +159,7 @@ def test_each_block_kind_is_compared_with_its_own_dense_model(tmp_path, monkeypa
     # measures the right one without training the case's variants again
     stale = row | {"dense": {"tokens_per_s": 50.0}, "technique_alone": 2.0, "steps": moe.steps}
     (tmp_path / "bench.json").write_text(json.dumps({"command": ["x"], "started": "s", "real": [stale]}))
-    assert "technique_alone" not in bench._latest_dense([stale], {})[0]
+    assert "technique_alone" not in bench.cli._latest_dense([stale], {})[0]
     calls.clear()
     assert bench.main(["--out", str(tmp_path), "--cases", "moe", "--dense-only", "--no-sim"]) == 0
     assert [c[0] for c in calls] == [f"dense-moe-{moe.steps}"]

@@ -52,13 +52,13 @@ from dynmo.sim.replay.options import (
     DEFAULT_POLICIES, DYNAMIC, GRAD_BYTES_PER_PARAM, LINK_DELAY_FACTORS, PROFILE_STEPS, STATIC, ReplayOptions,
     default_policies, parse_policy, replay_balance,
 )
-from dynmo.sim.replay.policies import profile_once_layout
+from dynmo.sim.replay.policies import profile_costs, profile_once_layout
 from dynmo.sim.replay.render import link_delay_table, summary_table, trace_summary
 from dynmo.sim.replay.result import PolicyResult
 from dynmo.sim.replay.run import replay
 
 __all__ = [
     "DEFAULT_POLICIES", "DYNAMIC", "GRAD_BYTES_PER_PARAM", "LINK_DELAY_FACTORS", "LINK_MODES", "PROFILE_STEPS", "STATIC",
-    "PolicyResult", "ReplayOptions", "default_policies", "link_delay_table", "parse_policy", "profile_once_layout",
+    "PolicyResult", "ReplayOptions", "default_policies", "link_delay_table", "parse_policy", "profile_costs", "profile_once_layout",
     "replay", "replay_balance", "replay_link_delays", "summary_table", "trace_summary",
 ]

@@ -6,6 +6,8 @@ import time
 from dataclasses import replace
 from typing import Sequence
 
+import numpy as np
+
 from dynmo.balance import Problem, balance
 from dynmo.layout import Layout
 from dynmo.loop import DynmoLoop
@@ -21,8 +23,18 @@ def static_layout(name: str, trace: Trace, stages: int, runner: Runner) -> Layou
         return Layout.uniform(trace.num_layers, stages)
     if name == "profile-once":
         links = runner.link_times(stages)
-        return profile_once_layout(runner.profile_costs(), stages, links, links)
+        return profile_once_layout(profile_costs(runner.observed, runner.opts.profile_steps), stages, links, links)
     return Layout(tuple(balance(Problem(costs=trace.header.params, stages=stages), "deepspeed").boundaries))
+
+
+def profile_costs(observed, profile_steps: int) -> np.ndarray:
+    """profile-once's per-layer costs: the median over steps 1 .. profile_steps of what the
+    runtime's profiler measured, one row per step (step 0, the warm-up, left out unless it is the
+    only one)."""
+    observed = np.asarray(observed, dtype=float)
+    n = len(observed)
+    lo = 1 if n > 1 else 0
+    return np.median(observed[lo:min(n, 1 + profile_steps)], axis=0)
 
 
 def profile_once_layout(costs, stages: int, transfer: Sequence[float] | None = None,

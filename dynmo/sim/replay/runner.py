@@ -51,13 +51,6 @@ class Runner:
         t = np.where([rank[j] != rank[j + 1] for j in range(stages - 1)], t, 0.0)
         return t.tolist() if np.any(t > 0) else None
 
-    def profile_costs(self) -> np.ndarray:
-        """profile-once's per-layer costs: the median over steps 1 .. profile_steps of what the
-        runtime's profiler measured (step 0, the warm-up, left out unless it is the only one)."""
-        n = len(self.observed)
-        lo = 1 if n > 1 else 0
-        return np.median(self.observed[lo:min(n, 1 + self.opts.profile_steps)], axis=0)
-
     def plan(self, stages: int, m: int | None = None) -> Plan:
         m = m or self.m
         if (stages, m) not in self.plans:

@@ -1,0 +1,149 @@
+"""`bench.md`: the benchmark's rows as markdown tables."""
+
+from __future__ import annotations
+
+from dynmo.bench.cases import PAPER, STATIC_VARIANTS
+from dynmo.sim.replay import PROFILE_STEPS
+
+
+def fmt(x, spec: str = ".2f") -> str:
+    return "n/a" if x is None or (isinstance(x, float) and x != x) else format(x, spec)
+
+
+def _f(x, spec: str = ".3f") -> str:
+    return fmt(x, spec)
+
+
+def render(real: list[dict], sim: list[dict], missing: list[str], argv: list[str], started: str = "",
+           duration_s: float | None = None) -> str:
+    lines = ["# dynmo bench\n", f"Command: `dynmo bench {' '.join(argv)}`"
+             + (f" (started {started}" + (f", {duration_s / 60:.0f} min" if duration_s else "") + ")" if started else "")
+             + "\n"]
+    runs: dict[tuple, list[str]] = {}
+    for kind, rows in (("real", real), ("simulated", sim)):
+        for r in rows:
+            ran = r.get("run") or {}
+            if ran and (ran.get("command") != argv or ran.get("started") != started):
+                key = (" ".join(ran.get("command") or ["..."]), ran.get("started") or "?")
+                label = f"{r['case']} ({kind})"
+                if label not in runs.setdefault(key, []):
+                    runs[key].append(label)
+    for (cmd, when), labels in runs.items():
+        lines.append(f"Kept from an earlier invocation, `dynmo bench {cmd}` (started {when}): {', '.join(labels)}.\n")
+    if real:
+        reps = real[0].get("repeats", 1)
+        lines += [
+            "## Real runs, this machine (2 ranks, gloo, CPU)\n",
+            "Tokens/s of every variant (all steps but the first, migrations included); the headline is dynmo over the "
+            "best of the three static layouts (profile-once: the optimal layout for the uniform run's costs of steps "
+            f"1..{PROFILE_STEPS}, kept)."
+            + (f" Medians of {reps} alternating rounds; the range is that of the paired ratios." if reps > 1 else "")
+            + "\n",
+            "| case | trigger | steps | uniform | params | profile-once | dynmo | **dynmo / best static** | best static "
+            "| dynmo / uniform | oracle bound | migrations | overhead % | final layout |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|",
+        ]
+        for r in real:
+            t = r["tokens_per_s"]
+            rng = (f" ({r['speedup_vs_best_static_min']:.3f}–{r['speedup_vs_best_static_max']:.3f})"
+                   if r.get("repeats", 1) > 1 else "")
+            lines.append(
+                f"| {r['case']} | {r['when']} | {r['steps']} | {t['uniform']:,.0f} | {t['params']:,.0f} | "
+                f"{t['profile-once']:,.0f} | {t['dynmo']:,.0f} | **{r['speedup_vs_best_static']:.3f}**{rng} | "
+                f"{r['best_static']} | {r['speedup_vs_uniform']:.3f} | {r['oracle_bound']:.3f} | {r['migrations']:g} | "
+                f"{r['overhead_pct']:.2f} | {r['final_layout']} |"
+            )
+        lines += [
+            "",
+            "### Technique alone and with dynmo, against the dense model and the paper\n",
+            "Over the dense model (the same config without the technique, same steps): the technique on a static "
+            "uniform layout, and with dynmo. Validation loss at the last step.\n",
+            "| case | dense tok/s | technique alone | technique + dynmo | dynmo / best static | paper | paper compares against "
+            "| val loss: dense → technique → + dynmo |",
+            "|---|---:|---:|---:|---:|---:|---|---|",
+        ]
+        for r in real:
+            paper = PAPER.get(r["case"].split("-")[0])
+            dn = r.get("dense") or {}
+            v = r["val_loss"]
+            lines.append(
+                f"| {r['case']} | {_f(dn.get('tokens_per_s'), ',.0f')} | {_f(r.get('technique_alone'))} | "
+                f"{_f(r.get('technique_dynmo'))} | {r['speedup_vs_best_static']:.3f} | "
+                f"{f'{paper[0]:.2f}' if paper else 'n/a'} | {paper[1] if paper else 'n/a'} | "
+                f"{_f(dn.get('val_loss'), '.3f')} → {_f(v.get('uniform'), '.3f')} → {_f(v.get('dynmo'), '.3f')} |"
+            )
+        packed = [r for r in real if "repack" in r["tokens_per_s"]]
+        if packed:
+            lines += [
+                "",
+                "### Re-packing: the same training on fewer workers\n",
+                "Worker-seconds = sum over steps of the step's wall time x its active workers; tokens/s per worker is "
+                "tokens over worker-seconds.\n",
+                "| case | variant | workers (final) | tok/s | worker-seconds | tok/s per worker |",
+                "|---|---|---:|---:|---:|---:|",
+            ]
+            for r in packed:
+                for v in ("dynmo", "repack"):
+                    lines.append(f"| {r['case']} | {'optimal' if v == 'dynmo' else 'optimal+repack'} | "
+                                 f"{r['workers_final'][v]} | {r['tokens_per_s'][v]:,.0f} | {r['worker_s'][v]:,.0f} | "
+                                 f"{r['tokens_per_worker_s'][v]:,.0f} |")
+        lines.append("")
+    if sim:
+        lines += [
+            "## Simulated at paper scale (uniform traces above, scaled; `dynmo.sim.replay`)\n",
+            "Microbatches per replica = 4 x stages; migrations charged at the controller's cost model.\n",
+            "Headline: total time of the best static layout (uniform, params or profile-once) over dynmo's, dynmo "
+            "started from uniform and from profile-once, and over the oracle (the best contiguous layout of every "
+            "step, free to change).\n",
+            "| case | shape | best static | dynmo from uniform | dynmo from profile-once | oracle |",
+            "|---|---|---|---:|---:|---:|",
+        ]
+        heads = {}
+        for r in sim:
+            heads.setdefault(r["case"], {})[r["policy"]] = r
+        for c, pol in heads.items():
+            anyrow = next(iter(pol.values()))
+            lines.append(f"| {c} | {anyrow['shape']} | {anyrow.get('best_static') or 'n/a'} | "
+                         f"{_f(pol.get('optimal', {}).get('speedup_vs_best_static'))} | "
+                         f"{_f(pol.get('optimal from profile-once', {}).get('speedup_vs_best_static'))} | "
+                         f"{_f(pol.get('oracle', {}).get('speedup_vs_best_static'))} |")
+        lines += [
+            "",
+            "All policies:\n",
+            "| case | shape | policy | vs uniform | **vs best static** | vs dense | mean bubble | workers (final) "
+            "| worker-seconds | per worker vs uniform | migrations |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in sim:
+            lines.append(
+                f"| {r['case']} | {r['shape']} | {r['policy']} | {_f(r.get('speedup'))} | "
+                f"{_f(r.get('speedup_vs_best_static'))} | {_f(r.get('vs_dense'))} | {_f(r.get('mean_bubble'))} | "
+                f"{r.get('workers_final', 'n/a')} | {_f(r.get('worker_s'), ',.0f')} | {_f(r.get('speedup_per_worker'))} | "
+                f"{r.get('migrations', 0)} |"
+            )
+        lines.append("")
+        by = {(r["case"], r["policy"]): r for r in sim}
+        cases = list(dict.fromkeys(r["case"] for r in sim))
+        if any(r.get("vs_dense") is not None for r in sim):
+            lines += [
+                "### Technique alone and with dynmo at paper scale, against the dense model and the paper\n",
+                "Tokens/s over the dense model's (its trace scaled and replayed alike, static uniform): the technique "
+                "on static uniform, on the best static layout, and with dynmo (`optimal`, from uniform).\n",
+                "| case | technique alone (uniform) | best static | technique + dynmo | dynmo from profile-once "
+                "| paper | paper compares against |",
+                "|---|---:|---:|---:|---:|---:|---|",
+            ]
+            for c in cases:
+                u, o = by.get((c, "uniform"), {}), by.get((c, "optimal"), {})
+                w = by.get((c, "optimal from profile-once"), {})
+                if u.get("vs_dense") is None:
+                    continue
+                best = max((by[(c, p)].get("vs_dense") or 0.0 for p in STATIC_VARIANTS if (c, p) in by), default=None)
+                paper = PAPER.get(c.split("-")[0])
+                lines.append(f"| {c} | {_f(u.get('vs_dense'))} | {_f(best)} | {_f(o.get('vs_dense'))} | "
+                             f"{_f(w.get('vs_dense'))} | "
+                             f"{f'{paper[0]:.2f}' if paper else 'n/a'} | {paper[1] if paper else 'n/a'} |")
+            lines.append("")
+    if missing:
+        lines += ["## Missing\n"] + [f"- {m}" for m in missing] + [""]
+    return "\n".join(lines)

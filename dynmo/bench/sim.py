@@ -1,0 +1,61 @@
+"""The paper-scale rows: each case's uniform trace scaled up and replayed under every policy, beside its dense model."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from dynmo.bench.cases import SIM_POLICIES, BenchCase
+from dynmo.bench.run import _dense_prefix, dense_name
+from dynmo.sim import load_trace, scale_trace
+from dynmo.sim.plots import write_plots
+from dynmo.sim.replay import ReplayOptions, replay, replay_balance
+
+
+def sim_rows(case: BenchCase, out: Path) -> list[dict]:
+    trace = scale_trace(load_trace(out / "traces" / f"{case.name}-static.jsonl"), case.blocks, noise=0.05)
+    # 4 microbatches per stage (as benchmarks/bench_sim.py), as large runs use to keep the
+    # fill/drain bubble small; the real run's trigger (a trace's dynamism events drive `dynamism`)
+    opts = ReplayOptions(microbatches=4 * case.stages, balance=replay_balance(when=case.when))
+    results = replay(trace, stages=case.stages, dp=case.dp, policies=SIM_POLICIES, options=opts)
+    write_plots(results, out / "plots" / case.name, title=f"{case.name}: {case.blocks} blocks, {case.stages} stages x {case.dp} dp")
+    # dynmo started from the best static layout a profile gives, rather than from uniform: what
+    # run-time balancing adds to a careful static choice
+    (warm,) = replay(trace, stages=case.stages, dp=case.dp, policies=["optimal"],
+                     options=replace(opts, initial="profile-once"))
+    warm.policy = "optimal from profile-once"
+    results.append(warm)
+    # the model without the technique, scaled and replayed alike on static uniform
+    dense = None
+    found = _dense_trace(out, case)
+    if found is not None:
+        dtrace = scale_trace(load_trace(found), case.blocks, noise=0.05)
+        (dense,) = replay(dtrace, stages=case.stages, dp=case.dp, policies=["uniform"], options=opts)
+    rows = []
+    for r in results:
+        row = {"case": case.name, "shape": f"{case.blocks + 2} layers, {case.stages}x{case.dp}", **r.as_dict(per_step=False)}
+        if dense is not None:
+            ours, theirs = (r.tokens_per_s, dense.tokens_per_s) if r.tokens_per_s and dense.tokens_per_s else \
+                (r.steps_per_s, dense.steps_per_s)
+            row["vs_dense"] = ours / theirs if theirs else None
+            row["dense_trace"] = found.name
+        rows.append(row)
+    return rows
+
+
+def _dense_trace(out: Path, case: BenchCase) -> Path | None:
+    """A static trace of the case's dense model (`dense-<steps>.jsonl`, written by the real
+    runs, or converted from a dense run's metrics.jsonl in OUT/runs): the one of the case's
+    step count, else any; None for a case without a dense model."""
+    if case.dense is None:
+        return None
+    for run in sorted((out / "runs").glob("dense-*")):
+        path = out / "traces" / f"{run.name}.jsonl"
+        if not path.is_file() and (run / "metrics.jsonl").is_file():
+            load_trace(run).write(path)
+    exact = out / "traces" / f"{dense_name(case, case.steps)}.jsonl"
+    if exact.is_file():
+        return exact
+    # another step count of the same dense model
+    found = sorted((out / "traces").glob(f"{_dense_prefix(case)}[0-9]*.jsonl"))
+    return found[0] if found else None
