@@ -28,10 +28,9 @@ import random
 import statistics
 import sys
 
-import dynmo.controller
 from dynmo.balance import Problem, balance
 from dynmo.config import BalanceConfig
-from dynmo.controller import Controller, step_time
+from dynmo.controller import Controller, evidence, step_time
 from dynmo.layout import Layout
 
 BASE = [0.03] + [1.0] * 8 + [0.65]
@@ -52,12 +51,19 @@ def draw(rng: random.Random, base: list[float], layout: Layout, step: int) -> tu
     return costs, step_time(layout.stage_loads(mean), MICROBATCHES)
 
 
+CONSISTENT = evidence.consistent
+
+
+def MEDIAN_RULE(gains: list[float], margin: float) -> bool:
+    return statistics.median(gains or [0.0]) >= margin
+
+
 def run(rule: str, window: int, seed: int, steps: int, change_at: int | None, min_gain: float = 0.05) -> list[int]:
     """Steps at which the controller migrated."""
     rng = random.Random(seed)
     c = Controller(BalanceConfig(when="auto", window=window, min_gain=min_gain, horizon=50), MICROBATCHES, fixed_s=0.0)
-    if rule == "median":
-        c.consistent = lambda cur, new, margin: c.per_step_gain(cur, new) >= margin
+    # the rule that judges the window's per-step gains: the controller's (80 % of the steps) or their median
+    evidence.consistent = MEDIAN_RULE if rule == "median" else CONSISTENT
     layout = Layout(tuple(balance(Problem(costs=BASE, stages=2), "optimal").boundaries))
     moved = []
     for step in range(steps):
@@ -65,8 +71,7 @@ def run(rule: str, window: int, seed: int, steps: int, change_at: int | None, mi
         if d is not None and d.layout != layout:
             moved.append(step)
             layout = d.layout
-            c.history.clear()
-            c.step_times.clear()
+            c.applied(MICROBATCHES)
         base = list(BASE)
         if change_at is not None and step >= change_at:
             for i in (1, 2, 3):
@@ -80,9 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=20)
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--confirm", type=int, default=dynmo.controller.CONFIRM, help="fresh steps that confirm a move")
+    ap.add_argument("--confirm", type=int, default=evidence.CONFIRM, help="fresh steps that confirm a move")
     args = ap.parse_args(argv)
-    dynmo.controller.CONFIRM = args.confirm
+    evidence.CONFIRM = args.confirm
     print(f"python benchmarks/bench_controller_noise.py --seeds {args.seeds} --steps {args.steps} --confirm {args.confirm}\n")
     print("| rule | window | false migrations / 200 steps (mean, max) | runs with any | first migration after a change at step 20 (median, max) | runs that never reacted |")
     print("|---|---:|---|---:|---|---:|")

@@ -104,10 +104,7 @@ class DynmoLoop:
 
     def applied(self, microbatches: int) -> None:
         """A decision was applied (the run now has `microbatches` per replica)."""
-        self.controller.history.clear()  # costs measured under the old layout include its stage effects
-        self.controller.step_times.clear()  # and so do step times
-        self.controller.proposal = None
-        self.controller.microbatches = microbatches
+        self.controller.applied(microbatches)
         self.profile_s = 0.0
 
     def event(self, decision: Decision, decide_s: float) -> dict:

@@ -19,7 +19,7 @@ backward; what they skip is the weight-gradient computation (about half of a blo
 the data-parallel gradient all-reduce, the gradient-norm and the optimizer update.
 
 Freezing a block: `requires_grad_(False)` on its parameters (autograd then computes no weight
-gradient; `Pipeline._sync_data_parallel_grads` and the grad norm only see params with a grad),
+gradient; `dynmo.runtime.grads.sync_data_parallel` and the grad norm only see params with a grad),
 its gradients dropped, the optimizer rebuilt without them (their AdamW state is released).
 
 Decisions are global and identical on every rank: each rank measures the plasticity of the

@@ -33,7 +33,7 @@ def attach_aux_loss(x: torch.Tensor, aux: torch.Tensor, coef: float) -> torch.Te
     """Return `x` unchanged, carrying `coef * aux` into the backward pass.
 
     Gradient scaling: each microbatch back-propagates its loss unscaled and the runtime divides
-    the summed gradients by the number of microbatches in one place (`Pipeline._scale_grads`).
+    the summed gradients by the number of microbatches in one place (`dynmo.runtime.grads.scale_grads`).
     The auxiliary gradient is seeded per microbatch with `coef` and divided the same way, so
     the objective is the microbatch mean of `main + coef * aux`, exactly as a single process
     that averages `main + coef * aux` over the same microbatches.

@@ -46,6 +46,19 @@ def load_layer_state(opt: torch.optim.Optimizer, layer: nn.Module, state: dict[s
         opt.state[params[n]] = dict(st)
 
 
+def layer_state_bytes(opt: torch.optim.Optimizer, layer: nn.Module) -> int:
+    """Bytes a layer holds: weights, gradients and optimizer state."""
+    total = 0
+    for p in layer.parameters():
+        total += p.numel() * p.element_size()
+        if p.grad is not None:
+            total += p.grad.numel() * p.grad.element_size()
+        for v in opt.state.get(p, {}).values():
+            if isinstance(v, torch.Tensor):
+                total += v.numel() * v.element_size()
+    return total
+
+
 def lr_at(step: int, tc: TrainConfig) -> float:
     """Linear warm-up, then cosine decay to min_lr at the last step."""
     if step < tc.warmup_steps:

@@ -14,7 +14,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from dynmo import plan
@@ -23,14 +22,14 @@ from dynmo.layout import Layout, LayoutError
 from dynmo.model.gpt import loss_fn
 from dynmo.model.hf import HFReader, load_layer
 from dynmo.model.layers import LayerSpec, build_layer, empty_layer, layer_specs
-from dynmo.runtime import faults, optim
+from dynmo.runtime import grads, optim
 from dynmo.runtime.dist import DistContext
 from dynmo.runtime.memory import PeakMemory
 from dynmo.runtime.schedules import schedule_class
 from dynmo.runtime.tie import tied_embeddings
 from dynmo.schedules import get_schedule, in_flight, stage_to_rank
 from dynmo.runtime.stage import StageModule, TimedPipelineStage, example_io
-from dynmo.runtime.transfer import Packet, recv_packet, send_packet
+from dynmo.runtime.migration import MigrationReport, exchange_layers
 
 
 @dataclass
@@ -49,27 +48,6 @@ class StepResult:
     layer_state_bytes: dict[int, int] = field(default_factory=dict)  # weights + grads + optimizer state
     profile_s: float = 0.0  # host seconds in the profiler's bookkeeping (saved-tensor accounting)
     peak_bytes: int = 0  # this rank's measured peak memory in the step (dynmo.runtime.memory); 0 = unknown
-
-
-@dataclass
-class MigrationReport:
-    old: list[int]
-    new: list[int]
-    moves: list[dict] = field(default_factory=list)  # {"layer", "name", "from", "to"} (stages)
-    bytes: int = 0  # payload bytes received by this rank (summed over ranks in the metrics)
-    seconds: float = 0.0
-    released: list[int] = field(default_factory=list)  # global ranks released by a re-pack
-
-    def as_event(self) -> dict:
-        return {
-            "type": "migration",
-            "old": self.old,
-            "new": self.new,
-            "layers_moved": len(self.moves),
-            "moves": self.moves,
-            "bytes": self.bytes,
-            "seconds": self.seconds,
-        } | ({"released_ranks": self.released} if self.released else {})
 
 
 def compute_dtype(cfg: Config) -> torch.dtype:
@@ -152,19 +130,10 @@ class Pipeline:
                                  recompute=self.recompute)
             inputs, outputs = example_io(s == 0, s == self.num_stages - 1, self.microbatch, m.seq_len, m.d_model,
                                          m.vocab_size, self.ctx.device, self.dtype)
-            self.stages.append(
-                TimedPipelineStage(
-                    module,
-                    s,
-                    self.num_stages,
-                    self.ctx.device,
-                    input_args=inputs,
-                    output_args=outputs,
-                    group=self.ctx.pp_group,
-                )
-            )
+            self.stages.append(TimedPipelineStage(module, s, self.num_stages, self.ctx.device, input_args=inputs,
+                                                  output_args=outputs, group=self.ctx.pp_group))
         stage_arg = self.stages if self.schedule_info.multi_stage else self.stages[0]
-        # scale_grads=False: the division by the number of microbatches is ours (_scale_grads)
+        # scale_grads=False: the division by the number of microbatches is ours (grads.scale_grads)
         self.schedule = schedule_class(self.schedule_info)(stage_arg, self.microbatches, loss_fn=loss_fn,
                                                            scale_grads=False)
 
@@ -177,11 +146,11 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         self.schedule.step(inputs.to(self.ctx.device), target=targets.to(self.ctx.device), losses=losses)
         t_sched = time.perf_counter() - t0
-        self._scale_grads()
+        grads.scale_grads(self.layers, self.microbatches)
         if self.tie is not None:  # both copies of a tied embedding get g_E + g_L
             self.tie.sum_grads(self.layers)
-        self._sync_data_parallel_grads()
-        grad_norm, scale = self._clip_grads()
+        grads.sync_data_parallel(self.layers, self.ctx)
+        grad_norm, _ = grads.clip_grads(self.layers, len(self.specs), self.tie, self.ctx, self.cfg.train.grad_clip)
         lr = optim.lr_at(step, self.cfg.train)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
@@ -205,64 +174,11 @@ class Pipeline:
 
     def layer_state_bytes(self) -> dict[int, int]:
         """Bytes each local layer holds: weights, gradients and optimizer state."""
-        out = {}
-        for i, layer in self.layers.items():
-            total = 0
-            for p in layer.parameters():
-                total += p.numel() * p.element_size()
-                if p.grad is not None:
-                    total += p.grad.numel() * p.grad.element_size()
-                for v in self.optimizer.state.get(p, {}).values():
-                    if isinstance(v, torch.Tensor):
-                        total += v.numel() * v.element_size()
-            out[i] = total
-        return out
+        return {i: optim.layer_state_bytes(self.optimizer, layer) for i, layer in self.layers.items()}
 
     def in_flight(self, stage: int) -> int:
         """Microbatches whose activations stage `stage` holds at its peak (an estimate)."""
         return in_flight(self.schedule_info.name, self.microbatches, self.num_stages, stage)
-
-    def _grads(self) -> list[torch.Tensor]:
-        return [p.grad for i in sorted(self.layers) for p in self.layers[i].parameters() if p.grad is not None]
-
-    def _scale_grads(self) -> None:
-        """The one place gradients are scaled for the microbatches. The objective of a step is
-        the mean over its microbatches (and data-parallel replicas) of each microbatch's loss
-        plus its auxiliary losses. Each microbatch back-propagates its loss unscaled, and each
-        auxiliary loss seeds its own gradient with its coefficient (`dynmo.model.aux_loss`), so
-        no layer needs to know the microbatch count; the summed gradients are divided here by
-        the number of microbatches, and by the number of replicas in the data-parallel
-        reduction (`_sync_data_parallel_grads`)."""
-        for g in self._grads():
-            g.div_(self.microbatches)
-
-    def _sync_data_parallel_grads(self) -> None:
-        if self.ctx.dp_group is None:
-            return
-        grads = self._grads()
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.ctx.dp_group)
-        flat.div_(self.ctx.dp)
-        off = 0
-        for g in grads:
-            g.copy_(flat[off : off + g.numel()].view_as(g))
-            off += g.numel()
-
-    def _clip_grads(self) -> tuple[float, float]:
-        sq = torch.zeros(len(self.specs), dtype=torch.float32, device=self.ctx.device)
-        for i, layer in self.layers.items():
-            skip = self.tie.norm_skip(i) if self.tie is not None else ()  # a tied tensor counts once
-            sq[i] = optim.layer_sq_norm(layer, skip).to(self.ctx.device)
-        if self.ctx.pp > 1:
-            # each entry is non-zero on exactly one rank, so the sum is exact
-            dist.all_reduce(sq, group=self.ctx.pp_group)
-        total, scale = optim.clip_coefficient(sq.cpu(), self.cfg.train.grad_clip)
-        if scale != 1.0:
-            for g in self._grads():
-                g.mul_(scale)
-        return total, scale
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
@@ -296,25 +212,8 @@ class Pipeline:
             return report
         t0 = time.perf_counter()
         states = self.optimizer_states()
-        src_rank = self.layer_ranks(old)
-        old_owner, new_owner = old.owner(), new.owner()
-        me, group, dev = self.ctx.pp_rank, self.ctx.pp_group, self.ctx.device
-        # Every rank walks the same global order, so each blocking send meets its receive.
-        for i in range(len(self.specs)):
-            src, dst = src_rank[i], dst_rank[i]
-            a, b = old_owner[i], new_owner[i]
-            if a != b or src != dst:
-                report.moves.append({"layer": i, "name": self.specs[i].name, "from": a, "to": b})
-            if src == dst:
-                continue  # same rank (maybe another virtual stage of it): nothing to ship
-            if me == src:
-                send_packet(self._pack_layer(i, states.pop(i)), dst, group, dev)
-                del self.layers[i]
-                faults.point("migration")
-            elif me == dst:
-                pkt = recv_packet(src, group, dev)
-                report.bytes += pkt.nbytes  # counted where received: a released sender leaves
-                self.layers[i], states[i] = self._unpack_layer(pkt)
+        exchange_layers(self.specs, self.layers, states, self.layer_ranks(old), dst_rank, old, new, self.ctx,
+                        self.cfg.model, self.layer_extras, report)
         self.layout = new
         if repack:
             stay = self.ctx.shrink_ranks(keep)
@@ -353,36 +252,3 @@ class Pipeline:
             raise ValueError(f"{m} microbatches do not divide the local batch of {local} sequences")
         self.microbatches = m
         self.microbatch = local // m
-
-    def _pack_layer(self, i: int, state: dict) -> Packet:
-        layer = self.layers[i]
-        tensors = {f"w.{k}": v for k, v in layer.state_dict().items()}
-        for n, p in layer.named_parameters():
-            if p.grad is not None:
-                tensors[f"g.{n}"] = p.grad
-            for k, v in state.get(n, {}).items():
-                tensors[f"o.{n}.{k}"] = v
-        for ex in self.layer_extras:
-            tensors |= {f"x.{ex.name}.{k}": v for k, v in ex.pack_layer(i, layer).items()}
-        return Packet({"spec": self.specs[i]}, tensors)
-
-    def _unpack_layer(self, pkt: Packet) -> tuple[nn.Module, dict]:
-        spec: LayerSpec = pkt.header["spec"]
-        self.specs[spec.index] = spec
-        layer = empty_layer(spec, self.cfg.model, self.ctx.device)
-        for ex in self.layer_extras:  # structure first (e.g. an exit classifier), so the weights fit
-            ex.prepare_layer(spec.index, layer)
-        weights = {k[2:]: v for k, v in pkt.tensors.items() if k.startswith("w.")}
-        layer.load_state_dict(weights, strict=True)
-        params = dict(layer.named_parameters())
-        state: dict[str, dict] = {}
-        for k, v in pkt.tensors.items():
-            if k.startswith("g."):
-                params[k[2:]].grad = v
-            elif k.startswith("o."):
-                pname, key = k[2:].rsplit(".", 1)
-                state.setdefault(pname, {})[key] = v
-        for ex in self.layer_extras:
-            pre = f"x.{ex.name}."
-            ex.unpack_layer(spec.index, layer, {k[len(pre):]: v for k, v in pkt.tensors.items() if k.startswith(pre)})
-        return layer, state

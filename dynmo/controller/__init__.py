@@ -1,0 +1,79 @@
+"""When and how to rebalance: the DynMo loop's decisions (paper Algorithm 1, automated). Pure.
+
+The runtime feeds the controller each step's measured per-layer cost; the controller answers
+with a new layout or nothing. No torch here, so the simulator can replay the same policy.
+
+Forecast: per-layer cost is the median of the last `window` steps. A median ignores one-step
+spikes (timing noise, a GC pause) and follows a real step change after ceil(window / 2)
+steps, which is what per-step dynamism (MoE, MoD) needs.
+
+Triggers (`when`):
+  never    keep the initial layout;
+  every    rebalance every `every` steps (the paper's fixed frequency);
+  dynamism rebalance once after each step that changed the model (a pruning step, a block
+           frozen, the skew switched on: events of type "dynamism"), from the cost measured
+           over the `window` steps after the change (the paper's Algorithm 1: profile, then
+           rebalance; one step's profile on a busy machine can be off by half);
+  auto     rebalance when the layout is predicted to pay off, and the evidence says the gain
+           is not noise (below).
+Whatever the trigger, a rebalance must cut the predicted step time by the margin (`min_gain`)
+and repay its migration over the horizon; `auto` and `dynamism` decisions are judged by the
+measured step time afterwards (below), `every` (the user's fixed schedule) is not.
+
+Step time. Layouts are compared by the step time they predict (`step_time`): with stage loads
+s_j per microbatch (link times and worker speeds included), a GPipe/1F1B step takes
+(m - 1) x max_j s_j + sum_j s_j -- one microbatch through every stage (fill and drain), the
+rest at the pace of the slowest stage. The saving of a rebalance over the next `horizon` steps
+must exceed the migration's predicted cost (fixed + bytes / bandwidth, re-fitted from every
+migration measured).
+
+`auto` against noise. A loaded machine, a straggler microbatch or per-step dynamism (MoE
+routing) make each step's costs noisy, and the layout that is optimal for a forecast fitted
+to that noise looks better than it is (the winner's curse). So `auto` moves layers only when
+  - the forecast (per-layer median of the last `window` steps) saves `min_gain` of the step time;
+  - the saving shows on nearly every observed step of the window, each evaluated under its own
+    costs (all of a window of up to 4 steps, 80% of a longer one): one slow step, or a short
+    slow phase of a worker, is not a change in the model, while a real step change shows on
+    every step after it;
+  - the proposed move is confirmed on 2 fresh steps (`evidence.confirmed`), so a real change is acted
+    on `window` + 2 steps after it happened (5 by default);
+  - going back to a layout left within the horizon needs twice the gain (no ping-pong);
+  - and after each migration the controller judges it by the measured step time
+    (`judge.judge_migration`): a migration that made the step slower by more than `min_gain`
+    is undone, its layout is never chosen again in the run, and the margin doubles.
+Replayed figures and the trade-off between reaction time and false moves are in
+docs/controller.md.
+
+Re-packing (`repack=True`, paper Algorithm 1's optional step): when the model has shrunk (the
+forecast total cost fell by `min_gain` below the largest seen: workers never come back, so a
+model that may still grow keeps them), the controller packs the layers onto the fewest
+pipeline positions 0..k-1 whose predicted step time stays within `repack_tolerance` of the
+best all-worker layout's, on the forecast and on nearly every step of the window; the runtime
+releases the rest. Its event reports both step times. With identical workers any k of them
+are equivalent, so keeping the prefix loses nothing; with measured per-worker speeds the
+balancer gets the kept workers' speeds.
+
+Re-tuning microbatches after a re-pack (`retune_microbatches`): the paper's DynMo keeps the
+microbatch count (its appendix E.4 names this as a gap). A shorter pipeline needs fewer
+microbatches to hide its fill/drain bubble, and fewer, larger microbatches cost less fixed
+per-microbatch overhead. We pick the fewest microbatches m' that divide the local batch and
+keep both the schedule's inherent bubble, (p'-1)/(m'+p'-1), and the activations a 1F1B stage
+holds in flight, min(m', p')/m' of the local batch, no worse than before the re-pack.
+
+The decision, step by step (`Controller.decide`), each step in its own module:
+  judge     the last migration, once measured: undone if it lost (`judge`)
+  trigger   whether this step may decide at all (`when`, the dynamism window)
+  forecast  per-layer median of the window (`Controller.forecast`)
+  re-pack   the fewest workers within tolerance, once the model shrank (`repack`)
+  propose   the balancer's layout for the forecast, worth its margin and its migration
+  evidence  `auto`: the gain on nearly every step of the window, then on fresh steps (`evidence`)
+The step-time model (`steptime`) and the migration cost model (`migration`) are what every
+step compares with.
+"""
+
+from dynmo.controller.core import CONFIRM, JUDGE, Controller, Decision
+from dynmo.controller.migration import MIGRATION_BANDWIDTH, MIGRATION_FIXED_S
+from dynmo.controller.steptime import retune_microbatches, step_time
+
+__all__ = ["CONFIRM", "JUDGE", "MIGRATION_BANDWIDTH", "MIGRATION_FIXED_S", "Controller", "Decision",
+           "retune_microbatches", "step_time"]

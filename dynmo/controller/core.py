@@ -1,0 +1,240 @@
+"""The `Controller`: the state of the DynMo loop's decisions, and `decide` as a sequence of named steps.
+
+The policy and its reasons are in the package docstring (`dynmo.controller`); each step's
+judgement lives in its own module (`evidence`, `judge`, `repack`, `migration`, `steptime`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field, replace
+from statistics import median
+
+from dynmo.balance import Problem, balance
+from dynmo.config import BalanceConfig
+from dynmo.controller import evidence, migration
+from dynmo.controller.evidence import CONFIRM
+from dynmo.controller.judge import JUDGE, Judge
+from dynmo.controller.migration import MIGRATION_BANDWIDTH, MIGRATION_FIXED_S
+from dynmo.controller.repack import repack
+from dynmo.controller.steptime import positions_problem, step_time
+from dynmo.layout import Layout
+
+__all__ = ["CONFIRM", "JUDGE", "Controller", "Decision"]
+
+
+@dataclass
+class Decision:
+    layout: Layout
+    predicted_bottleneck: float  # seconds per microbatch on the slowest stage, new layout
+    current_bottleneck: float  # same, current layout, under the same forecast
+    predicted_gain_s: float  # over the horizon
+    predicted_cost_s: float  # migration
+    released: int = 0  # pipeline positions released by a re-pack (per replica)
+    predicted_step_s: float = 0.0  # step time of the new layout (`step_time`), under the forecast
+    current_step_s: float = 0.0  # the same, current layout
+    reason: str = ""  # "rebalance", "repack" or "revert" (a migration that lost, undone)
+    best_step_s: float = 0.0  # a re-pack: the step time of the best layout on all of today's workers
+
+
+@dataclass
+class Controller:
+    """The decision core: a forecast of per-layer cost and the triggers of `dynmo.controller`.
+    `cfg` holds the knobs (`[balance]`: when, every, balancer, window, min_gain, horizon, repack,
+    repack_tolerance, memory_gb)."""
+
+    cfg: BalanceConfig = field(default_factory=BalanceConfig)
+    microbatches: int = 4
+    # What the runtime measured about the workers and the memory (None = not modelled):
+    speeds: list[float] | None = None  # per pipeline position, relative (1 = reference)
+    # per stage boundary j: seconds stage j spends sending one microbatch's activations to j+1, and
+    # seconds stage j+1 spends sending its gradient back (each charged to its sender)
+    transfer: list[float] | None = None
+    transfer_back: list[float] | None = None
+    memory: list[float] | None = None  # per layer: bytes it needs on a worker (state + activations in flight)
+    capacity: float | None = None  # bytes per worker; default: cfg.memory_gb (0 = no cap)
+    # migration cost model: seconds = fixed_s + bytes / bandwidth, refitted from each migration
+    fixed_s: float = MIGRATION_FIXED_S
+    bandwidth: float = MIGRATION_BANDWIDTH
+    history: deque = field(default_factory=deque)  # the window: per-layer costs of the last steps
+    pending: bool = False  # when = "dynamism": the model changed and no rebalance followed yet
+    # `auto`'s defences against noise:
+    margin: float = -1.0  # gain a decision needs; starts at cfg.min_gain, doubled after a migration that lost
+    left: dict = field(default_factory=dict)  # layout boundaries -> step it was left at
+    lost: set = field(default_factory=set)  # layouts a measured step time showed slower: never again
+    judge: Judge = field(init=False)  # measured step times, and the last migration until judged
+    peak_total: float = 0.0  # the largest forecast total cost seen (re-packing waits for the model to shrink)
+    proposal: tuple | None = None  # (layout boundaries, observed steps then): a move awaiting fresh evidence
+    observed: int = 0  # steps observed
+
+    def __post_init__(self) -> None:
+        if self.cfg.window < 1:
+            raise ValueError("balance.window must be >= 1")
+        if self.capacity is None and self.cfg.memory_gb > 0:
+            self.capacity = self.cfg.memory_gb * 2**30
+        self.history = deque(maxlen=self.cfg.window)
+        self.judge = Judge(self.cfg.window)
+        if self.margin < 0:
+            self.margin = self.cfg.min_gain
+
+    def dynamism(self) -> None:
+        """The model's work changed this step: costs from before it no longer apply."""
+        if self.cfg.when == "dynamism":
+            self.history.clear()
+            self.pending = True
+
+    def observe(self, layer_costs: list[float], step_s: float | None = None, changed: bool = False,
+                layout: Layout | None = None) -> None:
+        """One step's per-layer costs, and, if known, its measured step time and the layout it
+        ran on. `changed`: the model changed in this step (a dynamism event)."""
+        self.history.append(list(layer_costs))
+        self.observed += 1
+        if len(self.history) == self.history.maxlen:
+            self.peak_total = max(self.peak_total, sum(self.forecast()))
+        if changed:
+            self.judge.forget()  # the step time changed for another reason: nothing to judge
+            self.proposal = None
+            self.lost.clear()  # a layout that lost on the old model may win on the new one
+        if step_s is not None and step_s > 0 and layout is not None:
+            model = self._step_under(layer_costs, layout)
+            if model > 0:
+                self.judge.observe(step_s / model, layer_costs)
+
+    def observe_migration(self, nbytes: int, seconds: float) -> None:
+        """Refit the migration cost model from a measured migration."""
+        self.fixed_s, self.bandwidth = migration.refit(self.fixed_s, self.bandwidth, nbytes, seconds)
+
+    def applied(self, microbatches: int) -> None:
+        """A decision was applied (the run now has `microbatches` per replica): costs and step
+        times measured under the old layout include its stage effects, and a proposal made
+        against it no longer applies."""
+        self.history.clear()
+        self.judge.step_times.clear()
+        self.proposal = None
+        self.microbatches = microbatches
+
+    def forecast(self) -> list[float] | None:
+        """Per-layer median of the window's costs."""
+        if not self.history:
+            return None
+        return [median(col) for col in zip(*self.history)]
+
+    def migration_cost(self, layer_bytes: list[int], current: Layout, new: Layout) -> float:
+        return migration.migration_cost(self.fixed_s, self.bandwidth, layer_bytes, current, new)
+
+    def step_s(self, problem: Problem, layout: Layout) -> float:
+        """Predicted step time of `layout` under `problem`'s costs (`step_time`)."""
+        return step_time(problem.loads_of_assignment(layout.owner()), self.microbatches)
+
+    def _step_under(self, costs: list[float], layout: Layout) -> float:
+        """Predicted step time of `layout` under one step's per-layer costs."""
+        return self.step_s(self.problem(costs, layout.num_stages, layout), layout)
+
+    def problem(self, costs: list[float], stages: int, current: Layout | None = None) -> Problem:
+        """The balancing problem for the first `stages` pipeline positions."""
+        return positions_problem(costs, stages, current, self.speeds, self.transfer, self.transfer_back,
+                                 self.memory if self.capacity else None, self.capacity or None)
+
+    def decide(self, step: int, current: Layout, layer_bytes: list[int], steps_left: int) -> Decision | None:
+        """judge -> trigger -> forecast -> re-pack -> propose (with `auto`'s evidence)."""
+        c = self.cfg
+        # `every` is the paper's fixed frequency: the user's schedule, not judged
+        revert = self._judge_last_migration(current, layer_bytes, steps_left) if c.when not in ("never", "every") else None
+        if revert is not None:
+            return revert
+        if not self._triggered(step):
+            return None
+        costs = self.forecast()
+        if costs is None or len(self.history) < c.window and c.when == "auto":
+            return None
+        if c.repack and current.num_stages > 1:
+            d = self._repack(step, costs, current, layer_bytes, steps_left)
+            if d is not None:
+                return d
+        return self._rebalance(step, costs, current, layer_bytes, steps_left)
+
+    def _triggered(self, step: int) -> bool:
+        """Whether this step may decide: `every`'s period; `dynamism`'s window after a change
+        (one step on a busy machine can be off by half), once per change."""
+        c = self.cfg
+        if c.when == "never" or c.when == "every" and (step == 0 or step % c.every):
+            return False
+        if c.when == "dynamism":
+            if not self.pending or len(self.history) < c.window:
+                return False
+            self.pending = False
+        return True
+
+    def _rebalance(self, step: int, costs: list[float], current: Layout, layer_bytes: list[int],
+                   steps_left: int) -> Decision | None:
+        """The balancer's layout for the forecast, if the step falls by the margin and repays the
+        migration over the horizon; with `auto`, only on the window's and fresh steps' evidence."""
+        c = self.cfg
+        problem = self.problem(costs, current.num_stages, current)
+        result = balance(problem, c.balancer)
+        if result.boundaries is None:
+            raise ValueError(f"balancer {c.balancer!r} gave a non-contiguous layout; pipelines need a contiguous one")
+        new = Layout(tuple(result.boundaries))
+        if new == current or new.boundaries in self.lost:
+            return None
+        t_now, t_new = self.step_s(problem, current), self.step_s(problem, new)
+        horizon = max(0, min(c.horizon, steps_left))
+        margin = self.margin
+        if c.when == "auto" and step - self.left.get(new.boundaries, -10**9) <= c.horizon:
+            margin *= 2  # going back to a layout left within the horizon needs twice the evidence
+        if t_now - t_new < margin * t_now or (t_now - t_new) * horizon <= self.migration_cost(layer_bytes, current, new):
+            self.proposal = None
+            return None
+        if c.when == "auto":
+            if not evidence.consistent(self.per_step_gains(current, new), margin):
+                self.proposal = None
+                return None
+            chosen, self.proposal = evidence.confirmed(self.proposal, self.observed, len(self.history), c.window,
+                                                       current, new, margin, lambda p: self.per_step_gains(current, p))
+            if chosen is None:
+                return None
+            new, t_new = chosen, self.step_s(problem, chosen)
+            result = replace(result, bottleneck=max(problem.loads_of_assignment(new.owner())))
+        return self._decided(step, current, Decision(
+            new, result.bottleneck, max(problem.loads_of_assignment(current.owner())), (t_now - t_new) * horizon,
+            self.migration_cost(layer_bytes, current, new), predicted_step_s=t_new, current_step_s=t_now,
+            reason="rebalance"))
+
+    def _decided(self, step: int, current: Layout, d: Decision) -> Decision:
+        """Remember what a decision left and what it predicted, to judge it once measured."""
+        self.left[current.boundaries] = step
+        self.judge.expect(current, d.layout, d.released > 0)
+        return d
+
+    def per_step_gains(self, current: Layout, new: Layout) -> list[float]:
+        """Per observed step of the window: the relative step-time saving of `new` over `current`."""
+        return evidence.per_step_gains(self.history, self._step_under, current, new)
+
+    def _judge_last_migration(self, current: Layout, layer_bytes: list[int], steps_left: int) -> Decision | None:
+        """A migration that lost doubles the margin; a rebalance that lost is undone and its
+        layout never chosen again in the run (released workers do not come back, so a re-pack
+        that lost only raises the margin)."""
+        judged = self.judge.verdict(current, self.cfg.min_gain, self.cfg.repack_tolerance, self._step_under)
+        if judged is None or not judged[1].lost:
+            return None
+        chk, v = judged
+        self.margin = max(2 * self.margin, 0.02)
+        if chk.repack or chk.old.num_stages != current.num_stages:
+            return None
+        self.lost.add(current.boundaries)
+        cost = self.migration_cost(layer_bytes, current, chk.old)
+        return Decision(chk.old, 0.0, 0.0, (v.t_new - v.t_old) * max(0, min(self.cfg.horizon, steps_left)), cost,
+                        predicted_step_s=v.t_old, current_step_s=v.t_new, reason="revert")
+
+    def _repack(self, step: int, costs: list[float], current: Layout, layer_bytes: list[int],
+                steps_left: int) -> Decision | None:
+        r = repack(self.cfg, costs, current, self.peak_total, self.problem, self.step_s, self.history)
+        if r is None:
+            return None
+        problem = self.problem(costs, current.num_stages, current)
+        t_now = self.step_s(problem, current)
+        gain = (t_now - r.step_s) * max(0, min(self.cfg.horizon, steps_left))
+        return self._decided(step, current, Decision(
+            r.layout, r.bottleneck, max(problem.loads_of_assignment(current.owner())), gain,
+            self.migration_cost(layer_bytes, current, r.layout), released=current.num_stages - r.layout.num_stages,
+            predicted_step_s=r.step_s, current_step_s=t_now, reason="repack", best_step_s=r.best_step_s))

@@ -1,0 +1,99 @@
+"""Judging the last migration by the step times measured after it.
+
+Steps before and after a migration differ in more than the layout (the run speeds up as it
+warms, per-step dynamism, the machine's load), so their step times are not compared directly.
+Each layout's step time is predicted under the *after* steps' own costs by the step-time model,
+scaled by how far the model was off for that layout when it ran (measured / predicted: before
+the migration for the old layout, after it for the new). If the new layout's comes out slower
+than the old's (beyond the re-pack's tolerance, for a re-pack) by more than `min_gain`, the
+migration lost.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from statistics import median
+from typing import Callable
+
+from dynmo.layout import Layout
+
+# windows of measured step times before and after a migration that judge it: a step's time
+# carries its straggler microbatches, which the per-layer medians do not, so the judge reads
+# the fastest steps of two windows
+JUDGE = 2
+
+
+@dataclass
+class Pending:
+    """A migration awaiting its verdict: what it left, what it chose, the model's error before it
+    (`before`: measured / predicted step time per step) and the steps measured after it
+    (`after`: (measured / predicted, the step's costs))."""
+    old: Layout
+    new: Layout
+    before: list[float]
+    repack: bool
+    after: list[tuple[float, list[float]]] = field(default_factory=list)
+
+
+@dataclass
+class Verdict:
+    lost: bool
+    t_old: float  # the old layout's step time under the after steps' costs
+    t_new: float  # the new layout's
+
+
+def ready(p: Pending | None, current: Layout, window: int) -> bool:
+    """Enough steps ran on the migrated layout to judge it (the first, which pays one-off costs
+    as rebuilt stages warm up, does not count)."""
+    return p is not None and p.new == current and len(p.after) >= JUDGE * window + 1 and bool(p.before)
+
+
+def judge_migration(p: Pending, min_gain: float, repack_tolerance: float,
+                    step_s: Callable[[list[float], Layout], float]) -> Verdict:
+    """The verdict on a `ready` migration. Noise only ever slows a step (a straggler microbatch, a
+    busy core): the fastest steps of each window show what its layout can do."""
+    after = p.after[1:]
+    off_old = min(p.before)
+    off_new = min(r for r, _ in after)
+    t_old = median(off_old * step_s(c, p.old) for _, c in after)
+    t_new = median(off_new * step_s(c, p.new) for _, c in after)
+    # lost: slower than the old layout by more than the margin (within it, step-time noise could
+    # not tell), or than a re-pack's tolerance
+    allowed = t_old * (1 + (repack_tolerance if p.repack else 0.0) + min_gain)
+    return Verdict(t_new > allowed, t_old, t_new)
+
+
+class Judge:
+    """The step times measured since the last decision, and the migration awaiting its verdict."""
+
+    def __init__(self, window: int):
+        self.window = window
+        # measured step time / the step time the model predicts for the layout that ran, per step
+        # since the last decision: how far the model is off for that layout (the schedule's own
+        # effects, what a step does besides the pipeline)
+        self.step_times: deque[float] = deque(maxlen=JUDGE * window)
+        self.pending: Pending | None = None  # the last migration, until judged
+
+    def observe(self, ratio: float, costs: list[float]) -> None:
+        """One step's measured / predicted step time, and its per-layer costs."""
+        self.step_times.append(ratio)
+        if self.pending is not None:
+            self.pending.after.append((ratio, list(costs)))
+
+    def expect(self, old: Layout, new: Layout, repack: bool) -> None:
+        """A migration from `old` to `new` was decided: judge it once it has run long enough."""
+        self.pending = Pending(old, new, list(self.step_times), repack)
+
+    def forget(self) -> None:
+        """The model changed: step times no longer compare, and nothing is judged."""
+        self.pending = None
+        self.step_times.clear()
+
+    def verdict(self, current: Layout, min_gain: float, repack_tolerance: float,
+                step_s: Callable[[list[float], Layout], float]) -> tuple[Pending, Verdict] | None:
+        """The pending migration and its verdict, once `ready` (it is then no longer pending)."""
+        if not ready(self.pending, current, self.window):
+            return None
+        p, self.pending = self.pending, None
+        return p, judge_migration(p, min_gain, repack_tolerance, step_s)
