@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from dynmo import requirements
+
 VERBS = {
     "train": ("dynmo.launch", "train a pipeline-parallel model (launches torchrun)"),
     "balance": ("dynmo.balance.cli", "decide a layout for a cost problem (JSON in, JSON out)"),
@@ -15,6 +17,9 @@ VERBS = {
     "export": ("dynmo.export", "write a llama/mixtral checkpoint as a Hugging Face model folder"),
     "bench": ("dynmo.bench", "headline benchmark: real 2-rank runs per case + paper-scale simulation"),
 }
+# Verbs that run PyTorch check its version first. `balance` and `simulate` are pure numpy, and
+# `bench` trains through `dynmo train` subprocesses (checked there), so `bench --no-real` needs no torch.
+NEEDS_TORCH = frozenset({"train", "export"})
 
 
 def _usage() -> str:
@@ -31,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     verb, rest = argv[0], argv[1:]
     if verb not in VERBS:
         print(f"dynmo: unknown verb {verb!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    problem = requirements.check_torch() if verb in NEEDS_TORCH else None
+    if problem:  # before importing torch: an old one would fail later, deep inside a worker
+        print(f"dynmo: error: {problem}", file=sys.stderr)
         return 2
     module = importlib.import_module(VERBS[verb][0])
     return int(module.main(rest) or 0)
