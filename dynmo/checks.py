@@ -12,7 +12,7 @@ import math
 import tomllib
 from pathlib import Path
 
-from dynmo import hf_config
+from dynmo import hf_config, rundir
 from dynmo.config import Config, ConfigError, ModelConfig
 from dynmo.loop import check_balance
 from dynmo.model.families import check_block
@@ -57,9 +57,14 @@ CHECKPOINT_KEYS = {
 }
 
 
-def validate(cfg: Config, world: int) -> None:
-    """Raise ConfigError naming the problem and the fix. `world` = number of ranks."""
+def validate(cfg: Config, world: int) -> list[str]:
+    """Raise ConfigError naming the problem and the fix. `world` = number of ranks.
+
+    Resolves `checkpoint.resume = latest` to the newest checkpoint of the run folder that passes
+    `check_checkpoint`, in place; returns the notes the user should see (one line each: the
+    damaged checkpoints that were skipped)."""
     hf_config.apply(cfg)  # first: model.hf_path's config.json overwrites [model], which the checks below read
+    check_hf_files(cfg)
     check_values(cfg)
     m, t, p = cfg.model, cfg.train, cfg.parallel
     try:
@@ -187,8 +192,28 @@ def validate(cfg: Config, world: int) -> None:
             default_corpus_dir()
         except DataError as e:
             raise ConfigError(str(e)) from None
-    if cfg.checkpoint.resume:
-        check_checkpoint(cfg, cfg.checkpoint.resume)
+    if not cfg.checkpoint.resume:
+        return []
+    cfg.checkpoint.resume, note = rundir.resolve_resume(cfg.checkpoint.resume, cfg.out,
+                                                        lambda path: check_checkpoint(cfg, path))
+    return [note] if note else []
+
+
+def check_hf_files(cfg: Config) -> None:
+    """Every safetensors file of `model.hf_path` opens in safetensors itself, as a rank's loader
+    opens it (memory-mapped, the header only): whatever `hf_config.read_header` let through and
+    safetensors would refuse on every rank after launch is refused here, naming the file."""
+    if not cfg.model.hf_path:
+        return
+    from safetensors import SafetensorError, safe_open
+
+    for path in sorted(set(hf_config.weight_files(Path(cfg.model.hf_path)).values())):
+        try:
+            with safe_open(str(path), framework="numpy"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise ConfigError(f"{path} is not a file safetensors can open ({str(e).strip()}); "
+                              f"{hf_config.COPY_AGAIN}") from None
 
 
 def check_family(m) -> None:
@@ -355,11 +380,12 @@ def check_checkpoint(cfg: Config, path: str) -> dict:
     if step > steps:
         raise ConfigError(f"checkpoint {path} is at step {step}, past train.steps={steps}; raise --steps "
                           f"(train.steps) to {step} or more to train on from it")
-    # DCP's own metadata, read without running code: a crafted file is refused here, before launch
-    from dynmo.runtime.safeload import CheckpointError, read_metadata
+    # DCP's own metadata, read without running code (a crafted file is refused here, before launch),
+    # and the shard files it names, each long enough for the bytes it is said to hold
+    from dynmo.runtime.safeload import CheckpointError, check_files
 
     try:
-        read_metadata(path)
+        check_files(path)
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
     return meta

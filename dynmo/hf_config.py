@@ -7,7 +7,9 @@ folder's config.json, and everything dynmo would otherwise compute differently f
 transformers is refused with one line naming the field: an unsupported model_type, scaled
 rope, an activation other than SiLU, a sliding window shorter than `model.seq_len`, biases
 dynmo's layers lack. The safetensors headers are read (names and shapes only, never the
-data) and must hold exactly the tensors the resolved model needs, and the folder's
+data) and must hold exactly the tensors the resolved model needs, and each file must be as long
+as its header says (`read_header` applies the rules safetensors applies when a rank opens the
+file, so a truncated copy is refused here and not by every rank after launch); the folder's
 tokenizer.json must fit in the embedding. All of this is stdlib: the launcher runs it before
 torchrun starts, and every rank runs it again, so every rank resolves the same model.
 
@@ -18,6 +20,7 @@ the exporter agree on one table.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 
@@ -36,6 +39,12 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # ties it to the embedding on load, too).
 TIED_EMBEDDING, TIED_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 FLOAT_DTYPES = {"F32", "F16", "BF16", "F64"}
+# Bytes per element of the safetensors dtypes: safetensors refuses a file in which a tensor's
+# byte range is not exactly its dtype x shape.
+DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
+               "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+HEADER_LIMIT = 100_000_000  # the largest header safetensors reads (its MAX_HEADER_SIZE)
+COPY_AGAIN = "copy it again from the checkpoint's source"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -254,25 +263,77 @@ def weight_files(folder: Path) -> dict[str, Path]:
 
 
 def read_header(path: Path) -> dict[str, dict]:
-    """The JSON header of a safetensors file: name -> {dtype, shape, data_offsets}."""
+    """The JSON header of a safetensors file: name -> {dtype, shape, data_offsets}.
+
+    Checked as safetensors checks it when a rank opens the file (8-byte little-endian length,
+    a JSON object, tensors packed back to back, the file exactly as long as they need), so a
+    copy cut short is refused before launch, naming the file, instead of failing on every rank.
+    Reads the header only, never the tensors."""
     try:
+        size = path.stat().st_size
         with open(path, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
-            if n > 100_000_000:
+            if n > HEADER_LIMIT:
                 raise ValueError
-            header = json.loads(f.read(n))
+            text = f.read(n)
+        if len(text) < n:
+            raise EOFError
+        header = json.loads(text)
+        if not isinstance(header, dict):
+            raise ValueError
+    except EOFError:
+        raise ConfigError(f"{path} is truncated: it ends inside its header ({size} bytes); {COPY_AGAIN}") from None
     except (OSError, ValueError, struct.error, UnicodeDecodeError):
-        raise ConfigError(f"{path} is not a readable safetensors file; copy it again") from None
+        raise ConfigError(f"{path} is not a readable safetensors file; {COPY_AGAIN}") from None
     header.pop("__metadata__", None)
+    have, need = size - 8 - n, _data_end(path, header)
+    if need > have:
+        raise ConfigError(f"{path} is truncated: its header places {need} bytes of tensors after it, the file "
+                          f"holds {have} ({size} bytes in all); {COPY_AGAIN}")
+    if need < have:
+        raise ConfigError(f"{path} has {have - need} bytes after its last tensor, which safetensors refuses "
+                          f"(a damaged or appended-to file); {COPY_AGAIN}")
     return header
+
+
+def _data_end(path: Path, header: dict) -> int:
+    """Where the tensors' bytes end, after checking each entry: offsets that are whole numbers,
+    tensors packed back to back in offset order from 0, each exactly as long as its dtype and
+    shape need (dtypes this table does not know are left to the dtype check)."""
+    spans = []
+    for name, info in header.items():
+        try:
+            (start, end), shape, dtype = info["data_offsets"], info["shape"], info["dtype"]
+            if not all(type(x) is int and x >= 0 for x in (start, end, *shape)):
+                raise ValueError
+        except (TypeError, KeyError, ValueError):
+            raise ConfigError(f"{path}: the header entry of {name} is malformed; {COPY_AGAIN}") from None
+        nbytes = math.prod(shape) * DTYPE_BYTES[dtype] if dtype in DTYPE_BYTES else None
+        spans.append((start, end, name, nbytes))
+    pos = 0
+    for start, end, name, nbytes in sorted(spans, key=lambda s: s[:3]):
+        if start != pos or end < start:
+            raise ConfigError(f"{path}: the bytes of {name} ({start}..{end}) do not follow the tensor before it "
+                              f"(which ends at {pos}); {COPY_AGAIN}")
+        if nbytes is not None and end - start != nbytes:
+            raise ConfigError(f"{path}: {name} takes {end - start} bytes, its dtype and shape need {nbytes}; "
+                              f"{COPY_AGAIN}")
+        pos = end
+    return pos
 
 
 def check_weights(m: ModelConfig, folder: Path) -> None:
     """The checkpoint holds exactly the tensors of the resolved model, in a float dtype."""
     files = weight_files(folder)
+    headers = {path: read_header(path) for path in sorted(set(files.values()))}
+    misplaced = [(name, path) for name, path in files.items() if name not in headers[path]]
+    if misplaced:
+        name, path = misplaced[0]
+        raise ConfigError(f"{folder / 'model.safetensors.index.json'} places {name} in {path.name}, which does not "
+                          "hold it; copy the whole checkpoint folder again")
     found: dict[str, dict] = {}
-    for path in sorted(set(files.values())):
-        found |= read_header(path)
+    for header in headers.values():
+        found |= header
     want = expected_tensors(m)
     missing = [n for n in want if n not in found]
     if missing:

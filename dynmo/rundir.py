@@ -1,8 +1,9 @@
 """A run folder (`--out`): what it holds, which checkpoints in it are complete, whether a new
 run may write into it. Pure (no torch): the launcher calls it before any process starts.
 
-A run folder holds `config.toml`, `metrics.jsonl`, `summary.json`, `tb/` and checkpoints
-`checkpoint-STEP` / `checkpoint-final`. A checkpoint is written into a hidden temporary
+A run folder holds `config.toml`, `metrics.jsonl`, `summary.json`, `tb/`, checkpoints
+`checkpoint-STEP` / `checkpoint-final` and, after a failed run, `errors/rank-N.txt` (a rank's
+full traceback, `dynmo.runtime.failures`). A checkpoint is written into a hidden temporary
 folder (`.checkpoint-STEP.tmp`) with its `dynmo.json` last and renamed into place when every
 rank has finished (`dynmo.runtime.checkpoint`), so a folder named `checkpoint-*` that holds a
 readable `dynmo.json` is complete; anything else (a temporary folder a kill left behind) is
@@ -14,12 +15,13 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from dynmo.config import ConfigError
 
 CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+|final)")
-RUN_FILES = ("config.toml", "metrics.jsonl", "summary.json", "tb")
+RUN_FILES = ("config.toml", "metrics.jsonl", "summary.json", "tb", "errors")
 LATEST = "latest"
 
 
@@ -48,15 +50,40 @@ def latest_checkpoint(out: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def resolve_resume(resume: str, out: str) -> str:
-    """`checkpoint.resume = "latest"` names the newest complete checkpoint in the run folder."""
+def resolve_resume(resume: str, out: str, verify: Callable[[str], None] = lambda path: None) -> tuple[str, str]:
+    """The checkpoint to resume from and a note for the user ("" if none).
+
+    `verify(path)` raises ConfigError for a checkpoint that cannot be resumed. An explicit
+    folder must pass it. `latest` is the newest complete checkpoint of the run folder that
+    passes: a newer one that fails (a shard cut short, say) is skipped, and the note names it
+    and why, so a damaged last save costs the steps since the one before it, not the run."""
     if resume != LATEST:
-        return resume
-    latest = latest_checkpoint(Path(out))
-    if latest is None:
+        verify(resume)
+        return resume, ""
+    done = complete_checkpoints(Path(out))
+    if not done:
         raise ConfigError(f"checkpoint.resume = latest, but the run folder {out!r} holds no complete checkpoint; "
                           "start without --checkpoint.resume, or name a checkpoint folder")
-    return str(latest)
+    failed: list[tuple[Path, str]] = []
+    for path in reversed(done):
+        try:
+            verify(str(path))
+        except ConfigError as e:
+            failed.append((path, str(e)))
+            continue
+        return str(path), _skipped_note(failed, path)
+    newest, why = failed[0]
+    raise ConfigError(f"checkpoint.resume = latest, but no checkpoint in {out!r} can be resumed; the newest, "
+                      f"{newest.name}: {why}")
+
+
+def _skipped_note(failed: list[tuple[Path, str]], chosen: Path) -> str:
+    if not failed:
+        return ""
+    names = " and ".join(p.name for p, _ in failed)
+    fail = "fails its" if len(failed) == 1 else "fail their"
+    return (f"checkpoint.resume = latest: skipping {names}, which {fail} checks ({failed[0][1]}); "
+            f"resuming from {chosen}, the newest checkpoint that passes")
 
 
 def run_contents(out: Path) -> list[str]:

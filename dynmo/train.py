@@ -2,8 +2,8 @@
 
 `dynmo train --nproc N ...` validates the config, prepares the data once and launches this.
 Here: read and check the config, join the process group, let rank 0 judge the run folder, run
-the `Trainer` (`dynmo.trainer`), and turn a failure into one line and an exit status
-(`dynmo.runtime.failures`).
+the `Trainer` (`dynmo.trainer`), and turn a failure into one line and an exit status (2: bad
+input, 1: the run failed), its traceback kept in a file (`dynmo.runtime.failures`).
 """
 
 from __future__ import annotations
@@ -11,14 +11,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dynmo import checks, plan, rundir
-from dynmo.config import ConfigError, load_config
-from dynmo.runtime import checkpoint, failures
+from dynmo import checks, plan
+from dynmo.config import Config, ConfigError, load_config
+from dynmo.launch import LAUNCHED
 from dynmo.runtime import dist as rdist
+from dynmo.runtime import failures
 from dynmo.runtime.watch import Heartbeat
 from dynmo.trainer import Trainer
 
@@ -29,41 +31,52 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default=None)
     known, overrides = ap.parse_known_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
     failures.die_with_parent()
     try:
         cfg = load_config(known.config, overrides)
         restart = failures.restart_resume(cfg)
-        cfg.checkpoint.resume = rundir.resolve_resume(cfg.checkpoint.resume, cfg.out)
-        checks.validate(cfg, world)
-    except ConfigError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"dynmo: error: {e}", file=sys.stderr)
-        return 2
+        notes = checks.validate(cfg, world)
+    except ConfigError as e:  # the same on every rank: rank 0 says it where no launcher does
+        return failures.report(e, failures.describe(e, rank), rank, show=_shows(rank, e))
+    if rank == 0:
+        if restart:
+            print(f"dynmo: {failures.restart_line(restart, cfg)}", flush=True)
+        for note in notes:
+            print(f"dynmo: {note}", file=sys.stderr, flush=True)
     cfg.parallel.pp = plan.resolve_pp(cfg, world)
-    ctx = rdist.init(cfg.parallel.dp, cfg.parallel.pp, cfg.parallel.backend, cfg.parallel.timeout_s)
+    return _run(cfg, rank, restart)
+
+
+def _shows(rank: int, e: BaseException) -> bool:
+    """Whether this rank prints its failure's line itself: not under `dynmo train`, whose agent
+    prints the first failing rank's; a config error (the same everywhere) only on rank 0."""
+    return os.environ.get(LAUNCHED) != "1" and (rank == 0 or not isinstance(e, ConfigError))
+
+
+def _run(cfg: Config, rank: int, restart: int) -> int:
+    """Join the job and train; any failure becomes one line and an exit status (`failures`)."""
     heartbeat = None
+    writing = False  # the run folder is this run's: a failure's traceback may go into it
     try:
+        ctx = rdist.init(cfg.parallel.dp, cfg.parallel.pp, cfg.parallel.backend, cfg.parallel.timeout_s)
         problem = failures.folder_verdict(cfg, ctx, restart)
         if problem:
-            if ctx.rank == 0:
-                print(f"dynmo: error: {problem}", file=sys.stderr)
-            return 2
+            raise ConfigError(problem)
         heartbeat = Heartbeat(ctx.rank, ctx.world)
         trainer = Trainer(cfg, ctx)
+        failures.replace_old_run(cfg, ctx, restart)
+        writing = True
         summary = trainer.run()
         if summary.get("released"):
             return 0  # nothing left to do here; the others train on (no collective with them)
         # Meet before tearing down: a rank that destroys its gloo groups while a peer still has
         # traffic in flight can abort ("terminate called without an active exception").
         dist.barrier(group=trainer.ctx.active_group)
-    except (failures.Diverged, checkpoint.CheckpointWriteError) as e:
-        print(f"dynmo: error: rank {ctx.rank}: {e}", file=sys.stderr, flush=True)
-        return 1
     except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
-        if not failures.is_peer_failure(e):
-            raise
-        print(f"dynmo: error: {failures.peer_failure_message(e, ctx, cfg, heartbeat)}", file=sys.stderr, flush=True)
-        return 1
+        failure = failures.describe(e, rank, cfg, heartbeat)
+        folder = Path(cfg.out) if writing else None
+        return failures.report(e, failure, rank, folder, show=_shows(rank, e))
     finally:
         if heartbeat:
             heartbeat.stop()

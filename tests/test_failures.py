@@ -227,6 +227,7 @@ def test_a_hung_rank_ends_the_job_naming_it(tmp_path):
         assert proc.returncode != 0
         assert re.search(r"rank 0 at step \d+: rank 1 stopped responding", err), err[-3000:]
         assert "The last complete checkpoint is" in err
+        assert len(err.strip().splitlines()) <= 3 and "Traceback" not in err, err[-3000:]  # one line, not torchrun's
         assert _gone_within(tmp_path, 30) == []
     finally:
         for pid in _procs_mentioning(str(tmp_path)):
@@ -238,12 +239,20 @@ def test_a_hung_rank_ends_the_job_naming_it(tmp_path):
 def test_a_non_finite_loss_stops_training_with_the_checkpoints_intact(tmp_path):
     p = train(tmp_path, "--steps", "30", "--train.lr", "1e12", "--train.min_lr", "1e12", "--train.grad_clip", "0",
               "--train.warmup_steps", "0", "--checkpoint.every", "1", "--log.tensorboard", "false")
-    assert p.returncode != 0
-    m = re.search(r"the loss is (nan|inf|-inf) \(gradient norm \S+\) at step (\d+)", p.stderr)
+    assert p.returncode == 1, p.stderr[-3000:]  # the run failed (not bad input)
+    # one line, from the first rank that stopped, not one per rank nor torchrun's report
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) <= 3 and "Traceback" not in p.stderr and "ChildFailedError" not in p.stderr, p.stderr[-3000:]
+    errors = [line for line in lines if line.startswith("dynmo: error: rank ")]
+    assert len(errors) == 1, p.stderr
+    m = re.search(r"the loss is (nan|inf|-inf) \(gradient norm \S+\) at step (\d+)", errors[0])
     assert m, p.stderr[-3000:]
     step = int(m.group(2))
     assert checkpoints(tmp_path)[-1] == f"checkpoint-{step}"  # nothing saved from the bad step
     assert len(metrics(tmp_path)) == step
+    kept = re.search(r"\(traceback: (\S+)\)$", errors[0])  # the full traceback, in the run folder
+    assert kept and Path(kept.group(1)).parent == tmp_path / "errors", errors[0]
+    assert "Diverged" in Path(kept.group(1)).read_text()
 
 
 def test_a_full_disk_says_so_and_names_the_last_checkpoint(tmp_path):

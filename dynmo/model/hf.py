@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from dynmo.config import ModelConfig
-from dynmo.hf_config import EXPERTS, TIED_HEAD, hf_names, layer_prefixes, unused
+from dynmo.hf_config import COPY_AGAIN, EXPERTS, TIED_HEAD, hf_names, layer_prefixes, unused
 from dynmo.model.layers import LayerSpec
 
 
@@ -31,23 +31,34 @@ class HFCheckpointError(ValueError):
     """A Hugging Face checkpoint does not fit the dynmo layer it should fill."""
 
 
+def _unreadable(path: Path, e: BaseException) -> str:
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    return f"{path} cannot be read as safetensors ({first}); {COPY_AGAIN}"
+
+
 class HFReader:
     """Tensors of a Hugging Face checkpoint folder by name, from `model.safetensors` or the shards
-    a `model.safetensors.index.json` lists. `names_read` and `bytes_read` count what was read."""
+    a `model.safetensors.index.json` lists. `names_read` and `bytes_read` count what was read.
+
+    A file safetensors cannot read (damaged after the checks before launch passed) is an
+    HFCheckpointError naming it, never safetensors' own error."""
 
     def __init__(self, folder: str | Path):
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         self.folder = Path(folder)
         self._open = safe_open
+        self._errors = (SafetensorError, OSError)
         index = self.folder / "model.safetensors.index.json"
         single = self.folder / "model.safetensors"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError):
+                raise HFCheckpointError(f"{index} is not a safetensors index (no weight_map); {COPY_AGAIN}") from None
             self._file = {name: self.folder / f for name, f in weight_map.items()}
         elif single.is_file():
-            with safe_open(str(single), framework="pt") as f:
-                self._file = {name: single for name in f.keys()}
+            self._file = {name: single for name in self._opened(single).keys()}
         else:
             raise HFCheckpointError(f"{self.folder} has no model.safetensors or model.safetensors.index.json")
         self._handles: dict[Path, object] = {}
@@ -69,20 +80,32 @@ class HFReader:
     def __contains__(self, name: str) -> bool:
         return name in self._file
 
+    def _opened(self, path: Path):
+        try:
+            return self._open(str(path), framework="pt")
+        except self._errors as e:
+            raise HFCheckpointError(_unreadable(path, e)) from None
+
     def _handle(self, name: str):
         path = self._file[name]
         if path not in self._handles:
-            self._handles[path] = self._open(str(path), framework="pt")
+            self._handles[path] = self._opened(path)
         return self._handles[path]
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Shape from the file's header, without reading the data."""
-        return tuple(self._handle(name).get_slice(name).get_shape())
+        try:
+            return tuple(self._handle(name).get_slice(name).get_shape())
+        except self._errors as e:
+            raise HFCheckpointError(_unreadable(self._file[name], e)) from None
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self._file:
             raise HFCheckpointError(f"{self.folder}: no tensor {name}")
-        t = self._handle(name).get_tensor(name)
+        try:
+            t = self._handle(name).get_tensor(name)
+        except self._errors as e:
+            raise HFCheckpointError(_unreadable(self._file[name], e)) from None
         self.names_read.append(name)
         self.bytes_read += t.numel() * t.element_size()
         return t

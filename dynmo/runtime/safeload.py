@@ -24,7 +24,8 @@ are three places a pickle meets the checkpoint's bytes:
 
 Every refusal or unreadable file is a `CheckpointError` (a ValueError) with a one-line message.
 `load` calls `dcp.load` with a `SafeFileSystemReader` and unwraps DCP's own exception, so the
-caller sees that `CheckpointError`; `read_metadata` needs no process group.
+caller sees that `CheckpointError`; `read_metadata` and `check_files` (the metadata, then each
+shard it names present and long enough) need no process group.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-__all__ = ["ADMITTED", "CheckpointError", "SafeFileSystemReader", "load", "read_metadata"]
+__all__ = ["ADMITTED", "CheckpointError", "SafeFileSystemReader", "check_files", "load", "read_metadata"]
 
 METADATA_FILE = ".metadata"
 
@@ -361,6 +362,31 @@ def read_metadata(path: str | os.PathLike) -> Metadata:
     if p.is_file():
         return _read_metadata_file(p, lambda: open(p, "rb"))
     return SafeFileSystemReader(p).read_metadata()
+
+
+def check_files(path: str | os.PathLike) -> Metadata:
+    """The DCP metadata of the checkpoint folder `path` (`read_metadata`), and every shard file
+    it names present and at least as long as the bytes it is said to hold there (offset +
+    length). A shard cut short (a full disk, a partial copy) is refused before launch, naming
+    the file, instead of by the rank that reads it. Needs no process group; raises CheckpointError."""
+    folder = Path(path)
+    md = read_metadata(folder)
+    needed: dict[str, int] = {}
+    for info in md.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, need in sorted(needed.items()):
+        shard = folder / name
+        try:
+            size = shard.stat().st_size
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint {folder} lacks the shard {name} its {METADATA_FILE} lists; the copy is "
+                                  "incomplete: copy it again, or resume from another checkpoint") from None
+        except OSError as e:
+            raise CheckpointError(f"checkpoint shard {shard} cannot be read: {e.strerror or e}") from None
+        if size < need:
+            raise CheckpointError(f"checkpoint shard {shard} is truncated: {size} bytes, but its {METADATA_FILE} "
+                                  f"places data up to byte {need}; copy it again, or resume from another checkpoint")
+    return md
 
 
 def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: Any = None,
