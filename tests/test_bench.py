@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from dynmo import bench
 from dynmo.sim.replay import PROFILE_STEPS
 
@@ -49,12 +51,13 @@ def test_per_worker_figures_credit_released_workers():
     assert bench.per_worker(recs) == 200.0 / 3.0
 
 
-def test_variants_alternate_and_the_headline_is_over_the_best_static_layout(tmp_path, monkeypatch):
+def test_the_headline_is_paired_runs_apart_from_the_runs_that_chose_the_best_static_layout(tmp_path, monkeypatch):
     calls = []
-    # per round: uniform, params, profile-once, dynmo
+    # the selection runs: uniform, params, profile-once, dynmo; then 6 alternating pairs
     tps = iter([100.0, 120.0, 110.0, 126.0,
-                100.0, 105.0, 125.0, 125.0,
-                100.0, 118.0, 110.0, 130.0])
+                118.0, 125.0,   # pair 0: static first
+                130.0, 120.0,   # pair 1: dynmo first
+                121.0, 121.0, 124.0, 120.0, 119.0, 128.0, 131.0, 122.0])
 
     def fake_train(out, config, *extra):
         args = dict(zip(extra[::2], extra[1::2]))
@@ -64,18 +67,34 @@ def test_variants_alternate_and_the_headline_is_over_the_best_static_layout(tmp_
 
     monkeypatch.setattr(bench.run, "train", fake_train)
     monkeypatch.setattr(bench.run, "write_real_plots", lambda *a: None)
-    row = bench.real_row(bench.CASES[0], tmp_path, steps=8, repeats=3)
+    row = bench.real_row(bench.CASES[0], tmp_path, steps=8, pairs=6)
     assert calls[:4] == [("skewed-uniform", "never", "uniform"), ("skewed-params", "never", "params"),
                          ("skewed-profile-once", "never", "0,1,4"), ("skewed-dynmo", "auto", None)]
-    assert [c[0] for c in calls[4:8]] == ["skewed-uniform-1", "skewed-params-1", "skewed-profile-once-1", "skewed-dynmo-1"]
-    assert row["tokens_per_s"] == {"uniform": 100.0, "params": 118.0, "profile-once": 110.0, "dynmo": 126.0}
+    # params won the selection; the pairs alternate their order and run apart from it
+    assert [c[0] for c in calls[4:8]] == ["skewed-pair0-static", "skewed-pair0-dynmo", "skewed-pair1-dynmo",
+                                          "skewed-pair1-static"]
+    assert all(c[2] == "params" for c in calls[4:] if c[0].endswith("static"))
+    assert row["tokens_per_s"] == {"uniform": 100.0, "params": 120.0, "profile-once": 110.0, "dynmo": 126.0}
     assert row["best_static"] == "params"
-    assert row["speedup_vs_best_static"] == 126.0 / 118.0
-    # each round's dynmo over that round's best static layout: 126/120, 125/125, 130/118
-    assert row["speedup_vs_best_static_min"] == 1.0 and row["speedup_vs_best_static_max"] == 130.0 / 118.0
+    ratios = [125 / 118, 130 / 120, 121 / 121, 124 / 120, 128 / 119, 131 / 122]
+    assert row["paired_ratios"] == ratios
+    assert row["speedup_vs_best_static"] == pytest.approx(sorted(ratios)[2] / 2 + sorted(ratios)[3] / 2)
+    # 6 pairs: the interval is (min, max), covering 1 - 2 / 64 of the median's distribution
+    assert row["interval"] == [1.0, 130 / 120] and row["interval_coverage"] == 1 - 2 / 64
+    assert row["verdict"] == "no measurable difference"  # the interval holds 1.0
     assert row["speedup_vs_uniform"] == 1.26
     text = bench.render([row], [], [], [])
-    assert "**1.068** (1.000–1.102)" in text and "| params |" in text
+    assert "(1.000–1.083, 97%, 6 pairs) | no measurable difference |" in text and "| params |" in text
+
+
+def test_median_interval_and_verdict():
+    from dynmo.bench.measures import median_interval, verdict
+
+    med, lo, hi, cov = median_interval([float(x) for x in range(1, 21)])
+    assert (med, lo, hi) == (10.5, 6.0, 15.0) and 0.95 <= cov < 0.96  # the textbook order statistics for n = 20
+    assert median_interval([1.1, 1.2, 1.3])[1:3] == (1.1, 1.3)  # too few pairs: (min, max), coverage 75%
+    assert verdict(1.01, 1.2) == "faster" and verdict(0.8, 0.99) == "slower"
+    assert verdict(0.99, 1.01) == "no measurable difference"
 
 
 def test_shrinking_cases_run_repack_and_the_dense_model_once(tmp_path, monkeypatch):

@@ -48,6 +48,9 @@ CASES = [
 SIM_POLICIES = ["uniform", "params", "profile-once", "optimal", "optimal+repack", "deepspeed", "diffusion-contiguous",
                 "oracle"]
 STATIC_VARIANTS = ("uniform", "params", "profile-once")
+# alternating pairs of the best static layout and dynmo per case: 6 is the fewest whose
+# distribution-free interval for the median ratio covers 95%
+PAIRS = 6
 
 # The DynMo paper's end-to-end speedup for each case, and what it is measured against.
 PAPER = {

@@ -1,6 +1,6 @@
 """`dynmo bench`: the headline benchmark.
 
-    dynmo bench --out bench/ [--cases skewed,moe,...] [--steps N] [--repeats R] [--no-real] [--no-sim]
+    dynmo bench --out bench/ [--cases skewed,moe,...] [--steps N] [--pairs P] [--no-real] [--no-sim]
                 [--dense-only]
 
 1. Real runs on this machine, 2 pipeline ranks, for each dynamic-model case, long enough for
@@ -17,13 +17,15 @@
      - the dense model (the config without the technique: the same config with dense blocks, or
        the default config for the cases that switch a technique on in it) at the same step
        count, once per dense model (`--dense-only` trains only these).
-   Reported: tokens/s of each (all steps but the first, migrations included); the headline,
-   dynmo over the best of the three static layouts; dynmo over uniform; the technique alone
-   (uniform) and with dynmo over the dense model, beside the DynMo paper's figure for the case;
-   the oracle bound (from the uniform run's measured costs); final validation losses; for
-   re-packing, workers, worker-seconds and tokens/s per worker. With `--repeats R` the variants
-   alternate R times so slow drift of the machine hits all alike; medians, and the range of
-   the paired dynmo / best-static ratios.
+   Each variant runs once: these runs give the per-variant tokens/s (all steps but the first,
+   migrations included) and pick the best of the three static layouts. The headline comes
+   from `--pairs P` (default 6) further pairs of that best static layout and dynmo, run in
+   alternating order so slow drift of the machine hits both alike: the median of the pairs'
+   tokens/s ratios with a distribution-free 95% interval, and a verdict -- faster, slower, or
+   no measurable difference when the interval holds 1.0. Also: dynmo over uniform; the
+   technique alone (uniform) and with dynmo over the dense model, beside the DynMo paper's
+   figure for the case; the oracle bound (from the uniform run's measured costs); final
+   validation losses; for re-packing, workers, worker-seconds and tokens/s per worker.
 2. Simulated runs at the paper's scale from the uniform runs' traces: the trace scaled to a
    paper-sized model (`dynmo.sim.scale_trace`) and replayed (`dynmo.sim.replay.replay`) on 16
    stages x 8 data-parallel replicas for MoE and MoD, 24 stages x 30 for the others, under the
@@ -48,7 +50,7 @@ import sys
 import time
 from pathlib import Path
 
-from dynmo.bench.cases import CASES, ROOT
+from dynmo.bench.cases import CASES, PAIRS, ROOT
 from dynmo.bench.render import render
 from dynmo.bench.run import dense_name, dense_run, real_row
 from dynmo.bench.sim import sim_rows
@@ -87,14 +89,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench", help="output folder (default bench/)")
     ap.add_argument("--cases", default=",".join(c.name for c in CASES), help="comma-separated cases")
     ap.add_argument("--steps", type=int, default=None, help="steps per real run (default: each case's, BenchCase.steps)")
-    ap.add_argument("--repeats", type=int, default=1, help="alternating rounds of all variants per case (default 1)")
+    ap.add_argument("--pairs", type=int, default=PAIRS,
+                    help=f"alternating pairs of the best static layout and dynmo per case (default {PAIRS}; 0: none)")
     ap.add_argument("--no-real", action="store_true", help="skip the real runs, simulate from traces already in OUT/traces")
     ap.add_argument("--no-sim", action="store_true", help="skip the paper-scale simulation")
     ap.add_argument("--dense-only", action="store_true",
                     help="of the real runs, train only the cases' dense models (the other rows are kept)")
     args = ap.parse_args(argv)
-    if args.repeats < 1 or (args.steps is not None and args.steps < PROFILE_STEPS + 2):
-        ap.error(f"--repeats must be >= 1 and --steps >= {PROFILE_STEPS + 2}")
+    if args.pairs < 0 or (args.steps is not None and args.steps < PROFILE_STEPS + 2):
+        ap.error(f"--pairs must be >= 0 and --steps >= {PROFILE_STEPS + 2}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     wanted = [c.strip() for c in args.cases.split(",") if c.strip()]
@@ -148,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         elif not args.no_real and not args.dense_only:
             print(f"dynmo bench: {name} (real, 2 ranks)", file=sys.stderr, flush=True)
             try:
-                real.append(real_row(case, out, args.steps, args.repeats, dense) | {"run": run})
+                real.append(real_row(case, out, args.steps, args.pairs, dense) | {"run": run})
             except RuntimeError as e:
                 missing.append(f"{name}: real run failed: {str(e).splitlines()[0]}")
                 write()

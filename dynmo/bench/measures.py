@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 from dynmo.balance import Problem, balance
 from dynmo.layout import Layout
 from dynmo.sim.replay import PROFILE_STEPS, profile_costs, profile_once_layout
@@ -52,3 +54,31 @@ def profile_once_of(recs: list[dict]) -> list[int]:
 def final_val(recs: list[dict]) -> float | None:
     vals = [r["val_loss"] for r in recs if r.get("val_loss") is not None]
     return vals[-1] if vals else None
+
+
+def median_interval(ratios: list[float], level: float = 0.95) -> tuple[float, float, float, float]:
+    """(median, low, high, coverage): the median of paired ratios and a distribution-free interval
+    for it from order statistics, the narrowest pair (x_(k), x_(n+1-k)) whose exact binomial
+    coverage, 1 - 2 P(Binomial(n, 1/2) < k), is at least `level`. With fewer than 6 pairs no such
+    pair reaches 95%: the interval is then (min, max) and `coverage` says what it covers."""
+    from math import comb
+
+    x = sorted(ratios)
+    n = len(x)
+    med = statistics.median(x)
+    k, coverage = 1, 1 - 2 * 0.5**n
+    while k + 1 <= (n + 1) // 2:
+        tail = sum(comb(n, i) for i in range(k + 1)) / 2**n  # P(B < k + 1)
+        if 1 - 2 * tail < level:
+            break
+        k, coverage = k + 1, 1 - 2 * tail
+    return med, x[k - 1], x[n - k], coverage
+
+
+def verdict(low: float, high: float) -> str:
+    """What a paired interval says: faster, slower, or no measurable difference (it holds 1.0)."""
+    if low > 1.0:
+        return "faster"
+    if high < 1.0:
+        return "slower"
+    return "no measurable difference"

@@ -1,4 +1,5 @@
-"""The real runs: every variant of a case (static layouts, dynmo, re-packing) and its dense model, trained with `dynmo train`."""
+"""The real runs: every variant of a case (static layouts, dynmo, re-packing) once, alternating pairs of the
+best static layout and dynmo, and the case's dense model, each trained with `dynmo train`."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-from dynmo.bench.cases import DENSE, ROOT, STATIC_VARIANTS, BenchCase
+from dynmo.bench.cases import DENSE, PAIRS, ROOT, STATIC_VARIANTS, BenchCase
 from dynmo.bench.measures import (
-    final_val, oracle_bound, overhead_s, per_worker, profile_once_of, throughput, worker_seconds,
+    final_val, median_interval, oracle_bound, overhead_s, per_worker, profile_once_of, throughput, verdict,
+    worker_seconds,
 )
 from dynmo.bench.plots import write_real_plots
 
@@ -32,66 +34,80 @@ def _variants(case: BenchCase) -> list[str]:
     return [*STATIC_VARIANTS, "dynmo"] + (["repack"] if case.repack else [])
 
 
-def real_row(case: BenchCase, out: Path, steps: int | None, repeats: int = 1, dense: dict | None = None) -> dict:
-    """Every variant of `case`, `repeats` times in alternation; medians and the paired range.
-    `dense`: cache of dense-model runs by (config, steps), shared across cases."""
+def _args(case: BenchCase, variant: str, static_layout: str | None = None) -> list[str]:
+    """The overrides that make a run of `case` the variant: a static layout (`uniform`, `params`,
+    or explicit boundaries for profile-once), dynmo, or dynmo with re-packing."""
+    if variant in STATIC_VARIANTS:
+        return ["--balance.when", "never", "--parallel.layout", static_layout or variant]
+    return ["--balance.when", case.when] + (["--balance.repack", "true"] if variant == "repack" else [])
+
+
+def real_row(case: BenchCase, out: Path, steps: int | None, pairs: int = PAIRS, dense: dict | None = None) -> dict:
+    """Every variant of `case` once (the selection runs: they pick the best static layout and fill
+    the per-variant table), then `pairs` alternating pairs of the best static layout and dynmo,
+    run apart from the selection runs so that picking the best does not bias the comparison.
+    The headline is the median of the pairs' ratios with a distribution-free 95% interval.
+    `dense`: cache of dense-model runs by name, shared across cases."""
     n = steps or case.steps
     base = ["--steps", str(n), "--train.eval_every", str(n), *case.extra]
-    runs: dict[str, list[list[dict]]] = {v: [] for v in _variants(case)}
+    runs: dict[str, list[dict]] = {}
     seconds: dict[str, float] = {}
-    for rep in range(repeats):
-        for variant in _variants(case):
-            name = f"{case.name}-{variant}" + (f"-{rep}" if rep else "")
-            args = list(base)
-            if variant in ("uniform", "params"):
-                args += ["--balance.when", "never", "--parallel.layout", variant]
-            elif variant == "profile-once":
-                lay = profile_once_of(runs["uniform"][rep])
-                args += ["--balance.when", "never", "--parallel.layout", ",".join(map(str, lay))]
-            else:
-                args += ["--balance.when", case.when] + (["--balance.repack", "true"] if variant == "repack" else [])
-            if variant == "uniform" and rep == 0:  # the trace the simulation scales
-                args += ["--trace", str((out / "traces" / f"{case.name}-static.jsonl").resolve())]
-            t = time.perf_counter()
-            recs = train(out / "runs" / name, case.config, *args)
-            seconds[variant] = seconds.get(variant, 0.0) + time.perf_counter() - t
-            runs[variant].append(recs)
-            print(f"  {case.name} {variant} ({rep + 1}/{repeats}): {len(recs)} steps in {time.perf_counter() - t:.0f} s, "
-                  f"{throughput(recs):,.0f} tok/s", file=sys.stderr, flush=True)
-    med = statistics.median
-    tps = {v: [throughput(r) for r in rs] for v, rs in runs.items()}
-    best = max(STATIC_VARIANTS, key=lambda v: med(tps[v]))
-    paired = [d / max(tps[v][i] for v in STATIC_VARIANTS) for i, d in enumerate(tps["dynmo"])]
-    d = runs["dynmo"][0]
+    layouts: dict[str, str] = {}
+
+    def run(name: str, variant: str, *extra: str) -> list[dict]:
+        t = time.perf_counter()
+        recs = train(out / "runs" / name, case.config, *base, *_args(case, variant, layouts.get(variant)), *extra)
+        seconds[variant] = seconds.get(variant, 0.0) + time.perf_counter() - t
+        print(f"  {name}: {len(recs)} steps in {time.perf_counter() - t:.0f} s, {throughput(recs):,.0f} tok/s",
+              file=sys.stderr, flush=True)
+        return recs
+
+    for variant in _variants(case):
+        if variant == "profile-once":
+            layouts[variant] = ",".join(map(str, profile_once_of(runs["uniform"])))
+        # the uniform run's trace is the one the simulation scales
+        trace = ["--trace", str((out / "traces" / f"{case.name}-static.jsonl").resolve())] if variant == "uniform" else []
+        runs[variant] = run(f"{case.name}-{variant}", variant, *trace)
+    tps = {v: throughput(r) for v, r in runs.items()}
+    best = max(STATIC_VARIANTS, key=lambda v: tps[v])
+    ratios = []
+    for i in range(pairs):  # alternate the order, so slow drift of the machine hits both alike
+        order = (best, "dynmo") if i % 2 == 0 else ("dynmo", best)
+        got = {v: throughput(run(f"{case.name}-pair{i}-{'static' if v == best else v}", v)) for v in order}
+        ratios.append(got["dynmo"] / got[best])
+    d = runs["dynmo"]
     row = {
         "case": case.name,
         "when": case.when,
         "steps": len(d),
-        "repeats": repeats,
+        "pairs": pairs,
         "seconds": {v: round(s) for v, s in seconds.items()},
-        "tokens_per_s": {v: med(x) for v, x in tps.items()},
+        "tokens_per_s": tps,
         "best_static": best,
-        "speedup_vs_best_static": med(tps["dynmo"]) / med(tps[best]),
-        "speedup_vs_best_static_min": min(paired),
-        "speedup_vs_best_static_max": max(paired),
-        "speedup_vs_uniform": med(tps["dynmo"]) / med(tps["uniform"]),
-        "oracle_bound": med(oracle_bound(s) for s in runs["uniform"]),
-        "profile_once_layout": profile_once_of(runs["uniform"][0]),
-        "bubble": {v: med(statistics.fmean(r["bubble_ratio"] for r in x[1:]) for x in rs) for v, rs in runs.items()},
-        "migrations": med(sum(e["type"] == "migration" for r in x for e in r["events"]) for x in runs["dynmo"]),
-        "overhead_pct": med(100 * overhead_s(x) / sum(r["step_s"] for r in x) for x in runs["dynmo"]),
+        "speedup_vs_uniform": tps["dynmo"] / tps["uniform"],
+        "oracle_bound": oracle_bound(runs["uniform"]),
+        "profile_once_layout": profile_once_of(runs["uniform"]),
+        "bubble": {v: statistics.fmean(r["bubble_ratio"] for r in x[1:]) for v, x in runs.items()},
+        "migrations": sum(e["type"] == "migration" for r in d for e in r["events"]),
+        "overhead_pct": 100 * overhead_s(d) / sum(r["step_s"] for r in d),
         "final_layout": d[-1]["layout"],
-        "val_loss": {v: final_val(rs[0]) for v, rs in runs.items()},
-        "worker_s": {v: med(worker_seconds(x) for x in rs) for v, rs in runs.items()},
-        "tokens_per_worker_s": {v: med(per_worker(x) for x in rs) for v, rs in runs.items()},
-        "workers_final": {v: rs[0][-1].get("workers", 2) for v, rs in runs.items()},
+        "val_loss": {v: final_val(x) for v, x in runs.items()},
+        "worker_s": {v: worker_seconds(x) for v, x in runs.items()},
+        "tokens_per_worker_s": {v: per_worker(x) for v, x in runs.items()},
+        "workers_final": {v: x[-1].get("workers", 2) for v, x in runs.items()},
     }
+    if ratios:
+        med, low, high, coverage = median_interval(ratios)
+        row |= {"paired_ratios": ratios, "speedup_vs_best_static": med, "interval": [low, high],
+                "interval_coverage": coverage, "verdict": verdict(low, high)}
+    else:  # no pairs: the selection runs' ratio, which the choice of the best biases down
+        row |= {"speedup_vs_best_static": tps["dynmo"] / tps[best], "verdict": "unpaired"}
     if case.dense is not None and dense is not None:
         dn = dense_run(case, out, n, dense)
         row["dense"] = dn
-        row["technique_alone"] = med(tps["uniform"]) / dn["tokens_per_s"]
-        row["technique_dynmo"] = med(tps["dynmo"]) / dn["tokens_per_s"]
-    write_real_plots(case.name, runs, out / "plots" / case.name)
+        row["technique_alone"] = tps["uniform"] / dn["tokens_per_s"]
+        row["technique_dynmo"] = tps["dynmo"] / dn["tokens_per_s"]
+    write_real_plots(case.name, {v: [x] for v, x in runs.items()}, out / "plots" / case.name)
     return row
 
 

@@ -9,6 +9,7 @@ from typing import Sequence
 import numpy as np
 
 from dynmo.balance import Problem, balance
+from dynmo.controller import candidates
 from dynmo.layout import Layout
 from dynmo.loop import DynmoLoop
 from dynmo.record import StepRecord
@@ -61,13 +62,25 @@ def run_static(trace: Trace, runner: Runner, layout: Layout, res: PolicyResult) 
         runner.step(k, layout, res)
 
 
-def run_oracle(trace: Trace, runner: Runner, stages: int, res: PolicyResult) -> None:
+def run_oracle(trace: Trace, runner: Runner, stages: int, res: PolicyResult,
+               others: Sequence[PolicyResult] = ()) -> None:
+    """The oracle bound: at every step the layout of least simulated step time, free to change
+    with no migration or decide cost. Its candidates are the controller's for that step's own
+    costs (`dynmo.controller.candidates`, scored by the replay's own simulation of the step)
+    and every layout another replayed policy (`others`) ran at that step, so no policy that runs
+    the same microbatches can beat it."""
     transfer = runner.link_times(stages)
     for k in range(len(trace.steps)):
-        r = balance(Problem(costs=runner.costs[k].tolist(), stages=stages, transfer=transfer,
-                            transfer_back=transfer), "optimal")
+        problem = Problem(costs=runner.costs[k].tolist(), stages=stages, transfer=transfer, transfer_back=transfer)
+        best, t_best = candidates.best_layout(problem, "optimal", None, lambda _p, lay: runner.iteration_s(k, lay))
+        for r in others:
+            if k < len(r.layouts) and r.microbatches[k] == runner.m and r.layouts[k] != list(best.boundaries):
+                lay = Layout(tuple(r.layouts[k]))
+                t = runner.iteration_s(k, lay)
+                if t < t_best:
+                    best, t_best = lay, t
         res.overhead_s.append(0.0)
-        runner.step(k, r.layout, res)
+        runner.step(k, best, res)
 
 
 def run_dynamic(trace: Trace, runner: Runner, stages: int, balancer: str, do_repack: bool,

@@ -44,13 +44,11 @@ def replay(trace: Trace, stages: int | None = None, dp: int | None = None,
         tokens = float(h.tokens_per_microbatch) * runner.m * dp
     out: dict[str, PolicyResult] = {}
     for name, base, rp in parsed:
-        if name in out:
+        if name in out or base == "oracle":
             continue
         res = PolicyResult(name, tokens_per_step=tokens)
         if base in STATIC:
             run_static(trace, runner, static_layout(base, trace, stages, runner), res)
-        elif base == "oracle":
-            run_oracle(trace, runner, stages, res)
         else:
             run_dynamic(trace, runner, stages, base, rp, opts, res)
         out[name] = res
@@ -69,6 +67,9 @@ def replay(trace: Trace, stages: int | None = None, dp: int | None = None,
             raise
         run_static(trace, runner, layout, ref)
         statics[name] = ref
+    if any(base == "oracle" for _, base, _ in parsed):  # last: its candidates include every other policy's layouts
+        out["oracle"] = PolicyResult("oracle", tokens_per_step=tokens)
+        run_oracle(trace, runner, stages, out["oracle"], [*out.values(), *statics.values()])
     ref = statics["uniform"]
     best = min(statics.values(), key=lambda r: r.total_s)  # ties: the first in STATIC order
     for r in out.values():

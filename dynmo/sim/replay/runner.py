@@ -59,9 +59,10 @@ class Runner:
             self.plans[(stages, m)] = build_plan(self.schedule, stages // self.v, m, stages_per_rank=self.v)
         return self.plans[(stages, m)]
 
-    def step(self, k: int, layout: Layout, res: PolicyResult, m: int | None = None) -> None:
-        """Simulate step k on `layout` with m microbatches (default M; the local batch is kept,
-        so a microbatch is M / m times the traced size and costs that much more)."""
+    def simulate(self, k: int, layout: Layout, m: int | None = None):
+        """(the engine's result, the stage loads, the plan) of step k on `layout` with m
+        microbatches (default M; the local batch is kept, so a microbatch is M / m times the
+        traced size and costs that much more)."""
         m = m or self.m
         scale = self.m / m
         b = np.asarray(layout.boundaries[:-1])
@@ -72,6 +73,7 @@ class Runner:
         if self.opts.allreduce_bandwidth and self.dp > 1:
             grad_bytes = np.add.reduceat(self.params, b) * GRAD_BYTES_PER_PARAM
             ar = ring_allreduce_time(grad_bytes, self.dp, self.opts.allreduce_bandwidth, self.opts.allreduce_latency)
+        loads = ((f + bw) / scale).tolist()  # per traced-size microbatch, comparable across policies
         o = self.opts.op_overhead
         # an injected delay is per transfer: it does not grow with a re-tuned microbatch's size
         delay = None if self.delay is None else self.delay[: layout.num_stages - 1]
@@ -79,11 +81,19 @@ class Runner:
                                  link_delay=delay)
         plan = self.plan(layout.num_stages, m)
         sim = simulate_plan(plan, times, dp=self.dp, p2p=self.opts.p2p, split_bubble=False)
-        loads = ((f + bw) / scale).tolist()  # per traced-size microbatch, comparable across policies
+        return sim, loads, plan
+
+    def iteration_s(self, k: int, layout: Layout, m: int | None = None) -> float:
+        """Simulated seconds of step k on `layout` (nothing recorded)."""
+        return self.simulate(k, layout, m)[0].iteration_time
+
+    def step(self, k: int, layout: Layout, res: PolicyResult, m: int | None = None) -> None:
+        """Simulate step k on `layout` with m microbatches and record it in `res`."""
+        sim, loads, plan = self.simulate(k, layout, m)
         res.iteration_s.append(sim.iteration_time)
         res.bubble_ratio.append(sim.bubble_ratio)
         res.stage_loads.append(loads)
         res.bottleneck_s.append(max(loads))
         res.layouts.append(list(layout.boundaries))
         res.workers.append(plan.num_ranks * self.dp)
-        res.microbatches.append(m)
+        res.microbatches.append(m or self.m)
