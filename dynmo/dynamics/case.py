@@ -113,13 +113,15 @@ class Host(Protocol):
 
 class Case:
     name = "case"
+    section = ""  # the config section whose `enabled` switches the case on; its values are `self.opts`
 
     @classmethod
     def enabled(cls, cfg: "Config") -> bool:
-        return False
+        return bool(cls.section) and bool(getattr(cfg, cls.section).enabled)
 
     def __init__(self, host: Host):
         self.host = host
+        self.opts = getattr(host.cfg, self.section) if self.section else None
 
     def before_step(self, step: int) -> list[dict]:
         return []

@@ -135,14 +135,10 @@ def install_gate(block: nn.Module, opts: EarlyExitConfig, can_exit: bool) -> Exi
 
 class EarlyExit(Case):
     name = "early-exit"
-
-    @classmethod
-    def enabled(cls, cfg) -> bool:
-        return cfg.early_exit.enabled
+    section = "early_exit"
 
     def __init__(self, host):
         super().__init__(host)
-        self.opts: EarlyExitConfig = host.cfg.early_exit
         check_options(self.opts, host.cfg)
         self.gates: dict[int, ExitGate] = {}
         states = host.optimizer_states()

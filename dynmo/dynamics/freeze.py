@@ -83,14 +83,10 @@ def freeze_layer(layer: nn.Module) -> None:
 
 class Freeze(Case):
     name = "freeze"
-
-    @classmethod
-    def enabled(cls, cfg) -> bool:
-        return cfg.freeze.enabled
+    section = "freeze"
 
     def __init__(self, host):
         super().__init__(host)
-        self.opts: FreezeConfig = host.cfg.freeze
         n_blocks = host.num_blocks
         check_options(self.opts, n_blocks)
         self.max_frozen = n_blocks - 1 if self.opts.max_frozen < 0 else self.opts.max_frozen

@@ -235,14 +235,10 @@ def _recomputing() -> bool:
 
 class Noise(Case):
     name = "noise"
-
-    @classmethod
-    def enabled(cls, cfg) -> bool:
-        return cfg.noise.enabled
+    section = "noise"
 
     def __init__(self, host):
         super().__init__(host)
-        self.opts = host.cfg.noise
         LINKS.configure(self.opts.link_delay_ms, self.opts.link_delay_direction)
         self.draws = Draws(self.opts)
         self.burner = Burner(host.device)
