@@ -94,8 +94,8 @@ def render(real: list[dict], sim: list[dict], missing: list[str], argv: list[str
             "## Simulated at paper scale (uniform traces above, scaled; `dynmo.sim.replay`)\n",
             "Microbatches per replica = 4 x stages; migrations charged at the controller's cost model.\n",
             "Headline: total time of the best static layout (uniform, params or profile-once) over dynmo's, dynmo "
-            "started from uniform and from profile-once, and over the oracle (the best contiguous layout of every "
-            "step, free to change).\n",
+            "started from uniform and from profile-once, and over the oracle (the fastest layout of every step in "
+            "the simulation, free to change: no policy beats it).\n",
             "| case | shape | best static | dynmo from uniform | dynmo from profile-once | oracle |",
             "|---|---|---|---:|---:|---:|",
         ]
