@@ -11,7 +11,7 @@ alone is too big for a stage. `Solver(general=True)` turns the fast path off (th
 compare both).
 
 `IdenticalStages` is a base class of `Solver`: its methods use the solver's prefix sums, caps,
-fit tests (`ccap`, `_near`) and search, defined in optimal.py.
+fit tests (`ccap`, `_near`, defined in optimal.py and reach.py) and search (search.py).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import math
 import numpy as np
 
 from .moves import Intervals
+from .search import bisect_bottleneck
 
 
 class IdenticalStages:
@@ -134,7 +135,7 @@ class IdenticalStages:
             ok, bnd, ev = self._homogeneous_probe(B)
             return ok, bnd, ev, True
 
-        return self._search(lo, best, probe, probes)
+        return bisect_bottleneck(lo, best, probe, probes, self.bottleneck_of, self.btol)
 
     def _homogeneous_fsets(self, B: float) -> list[Intervals] | None:
         """F_0..F_p for identical stages when no single layer is too big for any stage.

@@ -49,10 +49,12 @@ import numpy as np
 
 from .identical import IdenticalStages
 from .moves import Intervals, fewest_moves
+from .reach import Reachability
+from .search import bisect_bottleneck
 from .problem import EPS, BalanceError, Problem
 
 
-class Solver(IdenticalStages):
+class Solver(IdenticalStages, Reachability):
     def __init__(self, problem: Problem, general: bool = False):
         """`general=True` disables the identical-stage fast path (tests compare the two)."""
         self.problem = problem
@@ -207,38 +209,6 @@ class Solver(IdenticalStages):
             self.last_event_achievable = False
         return ok, hist, ev
 
-    def _image(self, l: int, h: int, ccap: float, mcap: float, j: int, fast: bool,
-               lim: int) -> tuple[Intervals, float]:
-        """{b : a in [l, h], a < b <= far_j(a)} as intervals, and the smallest flip load."""
-        Pl, Ml, n = self.Pl, self.Ml, self.n
-        ev = math.inf
-        out: Intervals = []
-        x = l
-        if not fast and not self._clear(l, h, ccap, mcap):
-            idx, ev = self._blocked(l, h, ccap, mcap, j)
-            if len(idx):
-                # interior runs x..a-1 (a blocked) map to [x+1, a]
-                starts = np.concatenate(([l], idx + 1))
-                ends = np.concatenate((idx - 1, [h]))
-                keep = starts[:-1] <= ends[:-1]
-                out = [(a + 1, min(b + 1, lim)) for a, b in zip(starts[:-1][keep].tolist(), ends[:-1][keep].tolist())
-                       if a + 1 <= lim]
-                x = int(starts[-1])
-                if x > h:
-                    return out, ev
-        y = h
-        cf = bisect.bisect_right(Pl, Pl[y] + ccap, y) - 1
-        mf = n if mcap == math.inf else bisect.bisect_right(Ml, Ml[y] + mcap, y) - 1
-        f = cf if cf < mf else mf
-        if cf < mf and cf < lim:
-            e = (Pl[cf + 1] - Pl[y]) / self.s[j] + self.t[j]
-            if e < ev:
-                ev = e
-        hb = f if f < lim else lim
-        if x + 1 <= hb:
-            out.append((x + 1, hb))
-        return out, ev
-
     def backtrack(self, hist: list[Intervals]) -> list[int]:
         """A layout through the reachable sets: each boundary as late as possible."""
         b = self.n
@@ -259,55 +229,6 @@ class Solver(IdenticalStages):
         loads = (self.P[b[1:]] - self.P[b[:-1]]) / self.problem.s + self.problem.t
         return float(loads.max())
 
-    # ---- backward reachability (mirror of forward, in the same coordinates) -----------
-    def backward(self, B: float) -> list[Intervals]:
-        """Q_0..Q_p: Q_j = positions a such that layers [a, n) fit stages j..p-1."""
-        n, p = self.n, self.p
-        Q: Intervals = [(n, n)]
-        out: list[Intervals] = [Q]
-        for j in range(p - 1, -1, -1):
-            ccap, mcap = self.ccap(B, j), self.mcap[j]
-            fast = self._fast(ccap, mcap)
-            new: Intervals = []
-            for l, h in Q:
-                # b is usable iff layer b-1 alone fits: runs over b-1 in [l-1, h-1]
-                runs, _ = self._runs(l - 1, h - 1, ccap, mcap, j, fast)
-                for x1, y1 in runs:
-                    x = x1 + 1  # smallest b of the run
-                    na = self._near(x, ccap, mcap)
-                    la = max(na, j)
-                    ha = y1  # = y - 1
-                    if la > ha:
-                        continue
-                    if new and la <= new[-1][1] + 1:
-                        if ha > new[-1][1]:
-                            new[-1] = (new[-1][0], ha)
-                    else:
-                        new.append((la, ha))
-            Q = new
-            out.append(Q)
-            if not Q:
-                break
-        out.reverse()  # out[k] = Q_k for k = p - len(out) + 1 .. p
-        return out
-
-    def _near(self, b: int, ccap: float, mcap: float) -> int:
-        """Smallest a with [a, b) fitting (cost and memory), using the exact fit expression."""
-        Pl, Ml = self.Pl, self.Ml
-        a = bisect.bisect_left(Pl, Pl[b] - ccap, 0, b)
-        while a > 0 and Pl[b] <= Pl[a - 1] + ccap:
-            a -= 1
-        while a < b and not (Pl[b] <= Pl[a] + ccap):
-            a += 1
-        if mcap != math.inf:
-            am = bisect.bisect_left(Ml, Ml[b] - mcap, 0, b)
-            while am > 0 and Ml[b] <= Ml[am - 1] + mcap:
-                am -= 1
-            while am < b and not (Ml[b] <= Ml[am] + mcap):
-                am += 1
-            a = max(a, am)
-        return a
-
     # ---- search --------------------------------------------------------------------------
     def min_bottleneck(self) -> tuple[float, list[int], int]:
         """(B*, a layout achieving it, number of probes)."""
@@ -324,43 +245,13 @@ class Solver(IdenticalStages):
             ok, hist, ev = self.forward(B)
             return ok, (self.backtrack(hist) if ok else None), ev, self.last_event_achievable
 
-        return self._search(lo, best, probe, 1)
+        return bisect_bottleneck(lo, best, probe, 1, self.bottleneck_of, self.btol)
 
     def _memory_error(self) -> BalanceError:
         """The error for a problem no layout fits, naming the tightest memory constraint."""
         _, hist, _ = self.forward(math.inf, cut=False)
         return BalanceError(explain_memory(self.problem, hist))
 
-    def _search(self, lo: float, best: list[int], probe, probes: int) -> tuple[float, list[int], int]:
-        """Bisection between achievable bounds (module docstring); `best` is feasible."""
-        hi = self.bottleneck_of(best)
-
-        def improves(bnd: list[int]) -> bool:
-            """Keep `bnd` if it beats the best so far."""
-            nonlocal hi, best
-            L = self.bottleneck_of(bnd)
-            if L < hi:
-                hi, best = L, bnd
-                return True
-            return False
-
-        while hi - lo > self.btol:
-            mid = lo + (hi - lo) / 2
-            ok, bnd, ev, achievable = probe(mid)
-            probes += 1
-            if ok:
-                if not improves(bnd):  # hi is already within tolerance of mid: nothing better exists
-                    break
-            else:
-                lo = max(ev, mid)
-                if lo <= hi and achievable:  # a lower bound that is an achievable value: try it directly
-                    ok, bnd, ev2, _ = probe(lo)
-                    probes += 1
-                    if ok:
-                        improves(bnd)
-                        break
-                    lo = max(ev2, lo)
-        return hi, best, probes
 
 
 def _sparse_table(x: np.ndarray) -> list[list[float]]:

@@ -220,20 +220,21 @@ def shrink_mlp(mlp: nn.Module, keep: torch.Tensor) -> None:
 # ---- the case -----------------------------------------------------------------------------
 
 
+def linears(block: nn.Module, names: tuple[str, ...]) -> dict[str, nn.Module]:
+    """A block's prunable Linear layers by name."""
+    return {name: block.get_submodule(name) for name in names}
+
+
 def _mask(lin: nn.Module) -> torch.Tensor | None:
     return lin.mask if isinstance(lin, PrunedLinear) else None
 
 
 class Prune(Case):
     name = "prune"
-
-    @classmethod
-    def enabled(cls, cfg) -> bool:
-        return cfg.prune.enabled
+    section = "prune"
 
     def __init__(self, host: Host):
         super().__init__(host)
-        self.opts: PruneConfig = host.cfg.prune
         check_options(self.opts, host.cfg.model)
         m = host.cfg.model
         self.rows = host.microbatch * m.seq_len  # tokens per microbatch: the timing input
@@ -277,11 +278,8 @@ class Prune(Case):
         """Resuming a pruned run: pruned weights were saved as exact zeros, the masks are those."""
         self.sparsity = s
         blocks = self.host.blocks()
-        per_block = {i: {n: lin.weight.detach() != 0 for n, lin in self._linears(b).items()} for i, b in blocks.items()}
+        per_block = {i: {n: lin.weight.detach() != 0 for n, lin in linears(b, self.names).items()} for i, b in blocks.items()}
         self._apply_masks(blocks, per_block)
-
-    def _linears(self, block: nn.Module) -> dict[str, nn.Module]:
-        return {name: block.get_submodule(name) for name in self.names}
 
     # ---- hooks ----
     def before_step(self, step: int) -> list[dict]:
@@ -299,7 +297,7 @@ class Prune(Case):
         keep = total - round(s * total)  # torch.nn.utils.prune rounds the same way
         score_list, owners, floors, keys = [], [], [], []
         for i, block in blocks.items():
-            for j, (name, lin) in enumerate(self._linears(block).items()):
+            for j, (name, lin) in enumerate(linears(block, self.names).items()):
                 old = _mask(lin)
                 score_list.append(scores(lin.weight.detach().abs(), None if old is None else old != 0, self.opts.scoring))
                 owners.append((i, name))
@@ -379,7 +377,7 @@ class Prune(Case):
     def after_step(self, step: int, result: Any) -> list[dict]:
         with torch.no_grad():
             for block in self.host.blocks().values():
-                for lin in self._linears(block).values():
+                for lin in linears(block, self.names).values():
                     mask = _mask(lin)
                     if mask is not None:
                         lin.weight.mul_(mask)
@@ -390,7 +388,7 @@ class Prune(Case):
         for i, block in self.host.blocks().items():
             live = 0
             macs = 0
-            for lin in self._linears(block).values():
+            for lin in linears(block, self.names).values():
                 mask = _mask(lin)
                 nnz = lin.weight.numel() if mask is None else int(mask.sum())
                 live += nnz
@@ -410,7 +408,7 @@ class Prune(Case):
         if not self.host.is_block(index) or self.opts.structured:
             return {}  # structured: the smaller weights themselves carry the state
         out = {}
-        for name, lin in self._linears(layer).items():
+        for name, lin in linears(layer, self.names).items():
             mask = _mask(lin)
             if mask is not None:
                 out[f"mask.{name}"] = mask.bool()
