@@ -28,7 +28,8 @@ bisection stops on the optimum itself instead of on a float interval.
 
 Floating point: loads within EPS x (largest possible load) of each other are equal (see
 problem.EPS); every fit test uses the same expression `P[b] <= P[a] + cap` so forward and
-backward passes and the fewest-moves DP agree bit for bit.
+backward passes and the fewest-moves DP agree bit for bit. The prefix sums, the per-stage
+figures and these tolerances are computed once per problem (`PrefixSums`, prefix.py).
 
 Identical stages (identical.py). With one speed, one memory cap and one transfer cost, a
 greedy from the last stage is exact and much faster; `Solver(general=True)` turns that fast
@@ -49,40 +50,23 @@ import numpy as np
 
 from .identical import IdenticalStages
 from .moves import Intervals, fewest_moves
+from .prefix import PrefixSums
 from .reach import Reachability
 from .search import bisect_bottleneck
-from .problem import EPS, BalanceError, Problem
+from .problem import BalanceError, Problem
 
 
-class Solver(IdenticalStages, Reachability):
+class Solver(PrefixSums, IdenticalStages, Reachability):
+    """The exact search: per-stage fit tests, forward reachability and the bisection (the
+    numbers it reads come from `PrefixSums`, the identical-stage path from `IdenticalStages`,
+    the image of a run and backward reachability from `Reachability`)."""
+
     def __init__(self, problem: Problem, general: bool = False):
         """`general=True` disables the identical-stage fast path (tests compare the two)."""
-        self.problem = problem
-        c, m = problem.c, problem.m
-        self.n, self.p = len(c), problem.stages
-        self.P = np.concatenate(([0.0], np.cumsum(c)))
-        self.M = np.concatenate(([0.0], np.cumsum(m)))
-        self.Pl, self.Ml = self.P.tolist(), self.M.tolist()
-        self.s = problem.s.tolist()
-        self.t = problem.t.tolist()
-        total, smin = self.Pl[-1], float(problem.s.min())
-        # tolerance in load units (see module docstring)
-        self.btol = EPS * max(total / smin + float(problem.t.max()), 1e-300)
-        self.mtol = EPS * max(self.Ml[-1], 1e-300)
-        self.mcap = [float(x) + self.mtol for x in problem.cap]
-        self.dmax_c = float(np.max(np.diff(self.P)))
-        self.dmax_m = float(np.max(np.diff(self.M)))
-        # margin for the "nothing is blocked" shortcut, so it never disagrees with the exact test
-        self.rnd_c = 8 * float(np.spacing(max(total, 1.0)))
-        self.rnd_m = 8 * float(np.spacing(max(self.Ml[-1], 1.0)))
-        self.smin = smin
+        super().__init__(problem)
         # range-max tables over single-layer cost / memory (an O(1) "anything blocked in
         # [l, h]?" test before the O(h - l) scan) are built on first use: see _clear
         self._sp: tuple[list[list[float]], list[list[float]]] | None = None
-        # suffix memory capacity of stages j..p-1 (for the cut-below in forward)
-        suf = np.concatenate((np.cumsum(problem.cap[::-1])[::-1], [0.0]))
-        self.suf_m = (suf + self.mtol).tolist()
-        self.mtot_finite = np.isfinite(suf).tolist()
         # identical stages (see _homogeneous_probe): one speed, one memory cap, one transfer
         # cost on every sending stage (the last stage sends nothing, so its cost cap is larger)
         s_, cap_, t_ = problem.s, problem.cap, problem.t
@@ -224,11 +208,6 @@ class Solver(IdenticalStages, Reachability):
         out.reverse()
         return out
 
-    def bottleneck_of(self, bnd: Sequence[int]) -> float:
-        b = np.asarray(bnd)
-        loads = (self.P[b[1:]] - self.P[b[:-1]]) / self.problem.s + self.problem.t
-        return float(loads.max())
-
     # ---- search --------------------------------------------------------------------------
     def min_bottleneck(self) -> tuple[float, list[int], int]:
         """(B*, a layout achieving it, number of probes)."""
@@ -251,7 +230,6 @@ class Solver(IdenticalStages, Reachability):
         """The error for a problem no layout fits, naming the tightest memory constraint."""
         _, hist, _ = self.forward(math.inf, cut=False)
         return BalanceError(explain_memory(self.problem, hist))
-
 
 
 def _sparse_table(x: np.ndarray) -> list[list[float]]:

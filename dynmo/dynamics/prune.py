@@ -11,7 +11,7 @@ What is pruned: the blocks' Linear weights (attention qkv/proj, MLP fc/proj); ne
 embedding, the head, norms or biases. The threshold is *global*: one cut over the scores of
 all blocks on all pipeline ranks, so blocks end up with different densities (the imbalance
 the balancer has to fix). The cut is the exact distributed top-k of `dynmo.dynamics.topk` over
-the model group. What is ranked is `prune.scoring` (see `scores`):
+the model group. What is ranked is `prune.scoring` (see `dynmo.dynamics.prunemask`):
 
 - `magnitude`: |w|; the masks equal `torch.nn.utils.prune.global_unstructured(...,
   L1Unstructured, amount=...)` on the whole model. On GPT-2-initialised models it removes
@@ -62,7 +62,6 @@ chosen kernel: nnz for csr, all entries for dense), prune_hidden (MLP width; str
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -70,12 +69,26 @@ import torch.nn as nn
 
 from dynmo.config import ConfigError, ModelConfig, PruneConfig
 from dynmo.dynamics.case import Case, Host
-from dynmo.dynamics.topk import global_keep, group_sum
+from dynmo.dynamics.prunemask import (
+    SCORINGS,
+    floor_count,
+    keep_with_floor,
+    linears,
+    mask_of,
+    scores,
+    unit_masks,
+    unit_scores,
+    weight_masks,
+)
+from dynmo.dynamics.topk import group_sum
 from dynmo.model.layers import block_class
 from dynmo.model.sparse import KERNELS, PrunedLinear, set_mask, time_kernels
 
+# the public names, with the scoring and the cut of prunemask that callers import from here
+__all__ = ["PRUNABLE", "SCORINGS", "Prune", "check_options", "floor_count", "keep_with_floor", "scores", "shrink_mlp",
+           "sparsity_at", "unit_scores"]
+
 PRUNABLE = ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")  # Linear modules of a block
-SCORINGS = ("magnitude", "normalized", "lamp")  # prune.scoring
 
 
 # ---- schedule ---------------------------------------------------------------------------------
@@ -123,83 +136,7 @@ def sparsity_at(step: int, p: PruneConfig) -> float | None:
     return p.final_sparsity + (p.initial_sparsity - p.final_sparsity) * (1.0 - j / p.times) ** 3
 
 
-# ---- scoring: what the global cut ranks ------------------------------------------------------
-
-
-def scores(mag: torch.Tensor, live: torch.Tensor | None, scoring: str, n: int | None = None) -> torch.Tensor:
-    """Float32 scores of one tensor's candidates for the global cut; -1 where `live` is False.
-
-    `mag` holds non-negative magnitudes (|w| of a weight tensor, or the norms of a block's MLP
-    units); `n` is the tensor's original number of entries (default `mag.numel()`: entries
-    already removed count as zeros). Computed from the tensor alone, so a tensor scores the
-    same on whichever rank holds it.
-
-    magnitude   `mag` itself (torch.nn.utils.prune.global_unstructured's L1 criterion).
-    normalized  `mag` / the tensor's RMS, sqrt(sum(mag^2 over live entries) / n): every tensor
-                is measured in its own scale, so tensors initialised or trained smaller (the
-                GPT-2 residual projections, 1/sqrt(2 n_layers)) compete fairly.
-    lamp        LAMP (Lee et al. 2021): mag_u^2 / the sum of mag_v^2 over the live entries v of
-                the tensor ranked at or above u (mag_v > mag_u, or equal at a later position);
-                also scale free, and each tensor's largest entry scores 1, so a tensor keeps
-                at least one entry while the global budget allows.
-    """
-    mag = mag.detach().float()
-    flat = mag.reshape(-1)
-    if live is not None:
-        flat = flat.masked_fill(~live.reshape(-1).bool(), 0.0)
-    if scoring == "magnitude":
-        out = flat
-    elif scoring == "normalized":
-        scale = float(flat.double().square().sum().div(n or flat.numel()).sqrt())
-        out = flat / torch.tensor(scale if scale > 0 else 1.0, dtype=torch.float32)
-    elif scoring == "lamp":
-        order = torch.sort(flat, stable=True).indices  # ascending, equal entries in position order
-        sq = flat.double().square()[order]
-        suffix = sq.flip(0).cumsum(0).flip(0)  # sum of the squares from this entry to the largest
-        out = torch.zeros_like(flat)
-        out[order] = torch.where(suffix > 0, sq / suffix.clamp_min(1e-300), 0.0).float()
-    else:
-        raise ValueError(f"scoring={scoring!r}; use one of {SCORINGS}")
-    if live is not None:
-        out = out.masked_fill(~live.reshape(-1).bool(), -1.0)
-    return out.view(mag.shape)
-
-
-def floor_count(min_density: float, n: int) -> int:
-    """Entries a tensor of `n` original entries keeps at least under `prune.min_density`."""
-    return math.ceil(round(min_density * n, 6))
-
-
-def keep_with_floor(score_list: list[torch.Tensor], keep: int, floors: list[int], group=None,
-                    keys: list[int] | None = None, num_keys: int = 0) -> tuple[list[torch.Tensor], int]:
-    """`global_keep` with a per-tensor floor: each tensor first keeps its `floors[t]` best
-    candidates (by score, equal scores in position order; fewer if it has fewer), the rest of
-    the `keep` budget goes to one global cut over everything else. Returns the masks and the
-    number kept over the group (more than `keep` only when the floors alone exceed it)."""
-    reserved = []
-    for sc, f in zip(score_list, floors):
-        flat = sc.reshape(-1)
-        r = torch.zeros(flat.numel(), dtype=torch.bool)
-        f = min(f, int((flat >= 0).sum()))
-        if f > 0:
-            r[torch.sort(flat, descending=True, stable=True).indices[:f]] = True
-        reserved.append(r.view(sc.shape))
-    n_reserved = int(group_sum(torch.tensor([sum(int(r.sum()) for r in reserved)], dtype=torch.int64), group))
-    rest = [sc.masked_fill(r, -1.0) for sc, r in zip(score_list, reserved)]
-    masks = global_keep(rest, keep - n_reserved, group, keys, num_keys)
-    return [m | r for m, r in zip(masks, reserved)], max(keep, n_reserved)
-
-
 # ---- structured: MLP hidden units ---------------------------------------------------------
-
-
-def unit_scores(mlp: nn.Module) -> torch.Tensor:
-    """L2 norm of each hidden unit's weights: its fc row, fc bias and proj column."""
-    fc, proj = mlp.fc, mlp.proj
-    sq = fc.weight.detach().pow(2).sum(1) + proj.weight.detach().pow(2).sum(0)
-    if fc.bias is not None:
-        sq = sq + fc.bias.detach().pow(2)
-    return sq.sqrt()
 
 
 def shrink_mlp(mlp: nn.Module, keep: torch.Tensor) -> None:
@@ -217,16 +154,22 @@ def shrink_mlp(mlp: nn.Module, keep: torch.Tensor) -> None:
     mlp.fc, mlp.proj = new_fc, new_proj
 
 
+def narrow_mlps(blocks: dict[int, nn.Module], masks: list[torch.Tensor], states: dict[int, dict]) -> None:
+    """Shrink each block's MLP (in block order) to the units its mask keeps, and slice the AdamW
+    moments in `states` (`Host.optimizer_states`) alike; a block keeping every unit is left as is."""
+    for (i, block), mask in zip(blocks.items(), masks):
+        if bool(mask.all()):
+            continue
+        idx = mask.nonzero().squeeze(1)
+        st = states[i]
+        for pname, dim in (("mlp.fc.weight", 0), ("mlp.fc.bias", 0), ("mlp.proj.weight", 1)):
+            for k in ("exp_avg", "exp_avg_sq"):
+                if pname in st and k in st[pname]:
+                    st[pname][k] = st[pname][k].index_select(dim, idx).clone()
+        shrink_mlp(block.mlp, idx)
+
+
 # ---- the case -----------------------------------------------------------------------------
-
-
-def linears(block: nn.Module, names: tuple[str, ...]) -> dict[str, nn.Module]:
-    """A block's prunable Linear layers by name."""
-    return {name: block.get_submodule(name) for name in names}
-
-
-def _mask(lin: nn.Module) -> torch.Tensor | None:
-    return lin.mask if isinstance(lin, PrunedLinear) else None
 
 
 class Prune(Case):
@@ -295,21 +238,10 @@ class Prune(Case):
         blocks = self.host.blocks()
         total = self.host.num_blocks * self.full_size
         keep = total - round(s * total)  # torch.nn.utils.prune rounds the same way
-        score_list, owners, floors, keys = [], [], [], []
-        for i, block in blocks.items():
-            for j, (name, lin) in enumerate(linears(block, self.names).items()):
-                old = _mask(lin)
-                score_list.append(scores(lin.weight.detach().abs(), None if old is None else old != 0, self.opts.scoring))
-                owners.append((i, name))
-                floors.append(floor_count(self.opts.min_density, lin.weight.numel()))
-                keys.append(self.host.block_number(i) * len(self.names) + j)
-        masks, kept = keep_with_floor(score_list, keep, floors, self.host.model_group, keys,
-                                      self.host.num_blocks * len(self.names))
-        for (i, name), mask in zip(owners, masks):
-            self._clear_state(blocks[i].get_submodule(name).weight, mask)
-        per_block: dict[int, dict[str, torch.Tensor]] = {}
-        for (i, name), mask in zip(owners, masks):
-            per_block.setdefault(i, {})[name] = mask
+        per_block, kept = weight_masks(self.host, blocks, self.names, keep, self.opts)
+        for i, ms in per_block.items():
+            for name, mask in ms.items():
+                self._clear_state(blocks[i].get_submodule(name).weight, mask)
         self._apply_masks(blocks, per_block)
         return {"type": "dynamism", "step": step, "sparsity": s, "kept": kept, "total": total,
                 "scoring": self.opts.scoring, "min_density": self.opts.min_density}
@@ -349,21 +281,9 @@ class Prune(Case):
         blocks = host.blocks()
         total = host.num_blocks * self.full_hidden
         keep = total - round(s * total)
-        score_list = [scores(unit_scores(b.mlp), None, self.opts.scoring, self.full_hidden) for b in blocks.values()]
-        floor = max(1, floor_count(self.opts.min_density, self.full_hidden))  # every block keeps >= 1 unit
-        masks, kept = keep_with_floor(score_list, keep, [floor] * len(score_list), host.model_group,
-                                      [host.block_number(i) for i in blocks], host.num_blocks)
+        masks, kept = unit_masks(host, blocks, keep, self.opts, self.full_hidden)
         states = host.optimizer_states()
-        for (i, block), mask in zip(blocks.items(), masks):
-            if bool(mask.all()):
-                continue
-            idx = mask.nonzero().squeeze(1)
-            st = states[i]
-            for pname, dim in (("mlp.fc.weight", 0), ("mlp.fc.bias", 0), ("mlp.proj.weight", 1)):
-                for k in ("exp_avg", "exp_avg_sq"):
-                    if pname in st and k in st[pname]:
-                        st[pname][k] = st[pname][k].index_select(dim, idx).clone()
-            shrink_mlp(block.mlp, idx)
+        narrow_mlps(blocks, masks, states)
         # the optimizer holds the old Parameters: rebuild it over the new ones, moments carried
         host.rebuild_optimizer(states)
         # every block's width, model-wide (a checkpoint records it for resuming)
@@ -378,7 +298,7 @@ class Prune(Case):
         with torch.no_grad():
             for block in self.host.blocks().values():
                 for lin in linears(block, self.names).values():
-                    mask = _mask(lin)
+                    mask = mask_of(lin)
                     if mask is not None:
                         lin.weight.mul_(mask)
         return []
@@ -389,7 +309,7 @@ class Prune(Case):
             live = 0
             macs = 0
             for lin in linears(block, self.names).values():
-                mask = _mask(lin)
+                mask = mask_of(lin)
                 nnz = lin.weight.numel() if mask is None else int(mask.sum())
                 live += nnz
                 macs += nnz if isinstance(lin, PrunedLinear) and lin.kernel == "csr" else lin.weight.numel()
@@ -409,7 +329,7 @@ class Prune(Case):
             return {}  # structured: the smaller weights themselves carry the state
         out = {}
         for name, lin in linears(layer, self.names).items():
-            mask = _mask(lin)
+            mask = mask_of(lin)
             if mask is not None:
                 out[f"mask.{name}"] = mask.bool()
         if index in self.kernel:
