@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     known, overrides = ap.parse_known_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
+    whole_lines()
     failures.die_with_parent()
     try:
         cfg = load_config(known.config, overrides)
@@ -46,6 +47,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"dynmo: {note}", file=sys.stderr, flush=True)
     cfg.parallel.pp = plan.resolve_pp(cfg, world)
     return _run(cfg, rank, restart)
+
+
+def whole_lines() -> None:
+    """One write per printed line on stdout and stderr, which the ranks share: under
+    PYTHONUNBUFFERED (common in CI and containers) `print` writes the text and its newline
+    separately, and another rank's line can land between the two."""
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True, write_through=False)
 
 
 def _shows(rank: int, e: BaseException) -> bool:

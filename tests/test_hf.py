@@ -7,6 +7,7 @@ checkpoint must hold the same tensors bit for bit and load back into transformer
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -357,8 +358,8 @@ def test_train_with_lr_0_then_export_gives_the_checkpoint_back(tmp_path, hf_dirs
     p = run_train(out, "--model.hf_path", str(hf_dirs[kind]), "--train.lr", "0", "--train.min_lr", "0",
                   "--steps", "2", "--checkpoint.final", "true")
     # each rank read only its own layers' tensors: together every tensor once
-    reads = [line for line in p.stdout.splitlines() if " tensors (" in line and "for its layers" in line]
-    counts = [int(line.split(" read ")[1].split()[0]) for line in reads]
+    reads = re.findall(r"dynmo: rank \d+ read (\d+) tensors \(", p.stdout)
+    counts = [int(c) for c in reads]
     total = len(tensors(hf_dirs[kind]))
     assert len(counts) == 2 and all(0 < c < total for c in counts) and sum(counts) == total, reads
     # the 2-stage pipeline's first loss is transformers' loss on the same batch

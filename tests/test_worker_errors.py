@@ -11,6 +11,7 @@ the report of the first failing rank) are also tested in-process, without launch
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -324,3 +325,33 @@ def test_an_unexpected_error_shows_its_traceback_and_a_silent_death_is_named(tmp
     assert status == 1 and text.count("\n") == 1
     assert text.startswith("dynmo: error: rank 1 ended with signal SIGKILL without a message")
     assert "No checkpoint was saved yet." in text
+
+
+def test_a_rank_prints_each_line_in_one_write_even_unbuffered(monkeypatch):
+    """Ranks share stdout; under PYTHONUNBUFFERED `print` writes a line and its newline in two
+    writes, and another rank's line could land between them."""
+    import io
+
+    from dynmo.train import whole_lines
+
+    class Recorder(io.RawIOBase):
+        def __init__(self):
+            self.writes: list[bytes] = []
+
+        def writable(self):
+            return True
+
+        def write(self, b):
+            self.writes.append(bytes(b))
+            return len(b)
+
+    for name in ("stdout", "stderr"):
+        raw = Recorder()
+        monkeypatch.setattr(sys, name, io.TextIOWrapper(raw, write_through=True))  # what -u gives
+        print("dynmo: rank 0 read 19 tensors", file=getattr(sys, name), flush=True)
+        assert raw.writes == [b"dynmo: rank 0 read 19 tensors", b"\n"]  # the case being fixed
+        raw.writes.clear()
+        whole_lines()
+        print("dynmo: rank 0 read", 19, "tensors", file=getattr(sys, name), flush=True)
+        print("Traceback ...\nValueError: x\ndynmo: error: x\n", end="", file=getattr(sys, name))
+        assert raw.writes == [b"dynmo: rank 0 read 19 tensors\n", b"Traceback ...\nValueError: x\ndynmo: error: x\n"]

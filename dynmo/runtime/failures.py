@@ -179,7 +179,7 @@ def report(e: BaseException, failure: Failure, rank: int, run_folder: Path | Non
     temporary = kept if kept is not None and kept.parent == Path(tempfile.gettempdir()) else None
     recorded = _write_record(failure.status, line, shown_traceback, temporary)
     if show or not recorded:
-        print(f"{shown_traceback or ''}dynmo: error: {line}", file=sys.stderr, flush=True)
+        print(f"{shown_traceback or ''}dynmo: error: {line}\n", end="", file=sys.stderr, flush=True)
     return failure.status
 
 

@@ -46,7 +46,7 @@ class MetricsLog:
                 # a resumed run drops the events of steps it trains again
                 self.tb = SummaryWriter(str(out / "tb"), purge_step=start_step or None)
             except Exception as e:  # tensorboard missing or broken: keep training, say so once
-                print(f"dynmo: tensorboard disabled ({e})", file=sys.stderr)
+                print(f"dynmo: tensorboard disabled ({e})", file=sys.stderr, flush=True)
         self.bar = None
         if progress and sys.stderr.isatty():
             from tqdm import tqdm
