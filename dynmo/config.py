@@ -132,12 +132,15 @@ class BalanceConfig:
     balancer: str = "optimal"  # optimal | deepspeed | diffusion-contiguous | uniform
     cost: str = "time"  # time (measured per-layer fwd + bwd) | params
     window: int = 3  # steps in the median forecast of per-layer cost
-    min_gain: float = 0.05  # auto: rebalance only if the bottleneck falls by this fraction or more
+    min_gain: float = 0.0  # an optional floor: a rebalance must cut the step time by this fraction (auto: beyond the noise)
     horizon: int = 50  # auto: steps over which the saving must repay the migration
     # Re-packing: move all layers onto fewer pipeline ranks when the slowest stage would stay
     # within (1 + repack_tolerance) of the best all-rank layout; released ranks exit.
     repack: bool = False
     repack_tolerance: float = 0.05
+    # the forecast total cost must have fallen this fraction below its peak before a re-pack releases
+    # workers (they never come back, so a model that may still grow keeps them); 0: no such gate
+    repack_shrink: float = 0.05
     retune_microbatches: bool = False  # after re-packing, pick microbatches for the shorter pipeline
     memory_gb: float = 0.0  # per-rank memory cap the balancer respects; 0 = no cap
     profile: bool = True  # per-layer timing hooks (needed by cost = "time"); false measures their overhead

@@ -52,6 +52,8 @@ def check_balance(b: BalanceConfig) -> None:
         raise ConfigError("balance.every and balance.window must be >= 1")
     if not b.repack_tolerance >= 0:
         raise ConfigError(f"balance.repack_tolerance must be >= 0, got {b.repack_tolerance}")
+    if not 0 <= b.repack_shrink < 1:
+        raise ConfigError(f"balance.repack_shrink must be in [0, 1) (a fraction of the peak total cost), got {b.repack_shrink}")
     if b.repack and b.when == "never":
         raise ConfigError("balance.repack = true needs a controller: set balance.when to every, dynamism or auto")
     if b.workers not in ("measure", "equal"):
@@ -66,6 +68,7 @@ def check_balance(b: BalanceConfig) -> None:
 
 class DynmoLoop:
     def __init__(self, cfg: BalanceConfig, *, microbatches: int, schedule: str, layer_params: list[int],
+                 stages_per_rank: int | None = None,
                  layer_bytes: list[int] | None = None, speeds: list[float] | None = None,
                  transfer: list[float] | None = None, transfer_back: list[float] | None = None,
                  migration_fixed_s: float = MIGRATION_FIXED_S,
@@ -76,7 +79,7 @@ class DynmoLoop:
         self.layer_params = list(layer_params)
         # what a migration ships per layer: a prior until the first step is measured
         self.layer_bytes = list(layer_bytes) if layer_bytes else [BYTES_PER_PARAM * p for p in self.layer_params]
-        self.controller = Controller(cfg, microbatches, speeds=speeds, transfer=transfer,
+        self.controller = Controller(cfg, microbatches, schedule, stages_per_rank, speeds=speeds, transfer=transfer,
                                      transfer_back=transfer_back,
                                      fixed_s=migration_fixed_s, bandwidth=migration_bandwidth)
         self.profile_s = 0.0  # profiler bookkeeping since the last decision
@@ -152,6 +155,7 @@ class DynmoLoop:
             ctl.memory = [s + held * a for s, a in zip(rec.layer_state_bytes, rec.layer_act_bytes)]
         if rec.dynamism:
             ctl.dynamism()
+        ctl.model.observe_shares(rec.layer_fwd_s, rec.layer_bwd_s, rec.layer_wgrad_s)  # forward / backward apart
         ctl.observe(costs, rec.step_s or None, changed=bool(rec.dynamism), layout=layout)
         for e in rec.migrations:
             ctl.observe_migration(e["bytes"], e["seconds"])

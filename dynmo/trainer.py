@@ -69,7 +69,8 @@ class Trainer:
         self.relayouts = plan.parse_relayouts(cfg, num_stages)
         speeds, transfer, transfer_back = self._measure_workers()
         self.loop = DynmoLoop(cfg.balance, microbatches=self.pipe.microbatches, schedule=cfg.parallel.schedule,
-                              layer_params=self.params, speeds=speeds, transfer=transfer,
+                              stages_per_rank=cfg.parallel.virtual_stages, layer_params=self.params, speeds=speeds,
+                              transfer=transfer,
                               transfer_back=transfer_back)
         if self.saved_costs and cfg.balance.cost == "time":
             self.loop.controller.history.append(list(self.saved_costs))  # the starting forecast

@@ -86,17 +86,29 @@ def decide_auto(transfer: list[float] | None, costs: list[float], layout: Layout
     return None
 
 
+def simulated_best(transfer, back, costs: list[float], stages: int) -> Layout:
+    """The layout of least simulated step time among every contiguous layout (brute force)."""
+    from itertools import combinations
+
+    c = Controller(BalanceConfig(when="auto"), microbatches=MICROBATCHES, transfer=transfer, transfer_back=back)
+    n = len(costs)
+    layouts = [Layout((0, *cut, n)) for cut in combinations(range(1, n), stages - 1)]
+    return min(layouts, key=lambda lay: c.step_s(c.problem(costs, stages, lay), lay))
+
+
 def test_link_aware_layout_moves_work_off_the_stages_that_send_on_the_slow_link():
-    # 8 equal layers on 2 stages. A delay d on activations only is charged to their sender,
-    # stage 0: k + d vs 8 - k
+    # 8 equal layers on 2 stages. A send occupies its sender: a delay d on activations weighs on
+    # stage 0, on gradients on stage 1. The controller moves to the layout of least simulated
+    # 1F1B step time (4 microbatches) when it is not the current one.
     costs, uniform = [1.0] * 8, Layout((0, 4, 8))
     assert decide_auto(None, costs, uniform) is None  # compute only: balanced already
     assert decide_auto([0.0], costs, uniform, [0.0]) is None  # an undelayed link: the same
-    assert decide_auto([2.0], costs, uniform, [0.0]) == Layout((0, 3, 8))  # d = 2 layers: k + 2 = 8 - k
-    assert decide_auto([4.0], costs, uniform, [0.0]) == Layout((0, 2, 8))  # d = 4 layers: k + 4 = 8 - k
-    # the same delay on the gradients as well weighs on both ends: no layout escapes it
-    assert decide_auto([2.0], costs, uniform, [2.0]) is None
+    for fwd, back in (([2.0], [0.0]), ([4.0], [0.0]), ([2.0], [2.0]), ([0.0], [2.0])):
+        best = simulated_best(fwd, back, costs, 2)
+        assert decide_auto(fwd, costs, uniform, back) == (None if best == uniform else best), (fwd, back)
+    assert decide_auto([4.0], costs, uniform, [0.0]) == Layout((0, 2, 8))  # activations: stage 0 sheds
     assert decide_auto([0.0], costs, uniform, [2.0]) == Layout((0, 5, 8))  # gradients only: stage 1 sheds
+    assert decide_auto([2.0], costs, uniform, [2.0]) is None  # both ways: no layout escapes it
     # 3 stages, 9 layers, a slow link 1 <-> 2 in both directions: both of its ends shed work
     nine = Layout((0, 3, 6, 9))
     assert decide_auto(None, [1.0] * 9, nine) is None

@@ -54,13 +54,13 @@ def test_controller_repacks_two_ranks_to_one_once_the_model_shrank(tmp_path):
     # Structured pruning at step 3 removes 90% of every MLP and the one decision, at step 6,
     # re-packs: the controller's path. It must train exactly as a forced re-pack to its layout.
     # Nothing here may hang on this machine's timing: a tolerance of 10 accepts any step time up
-    # to 11x the 2-rank one, and min_gain 0 makes "the model has shrunk" hold whatever the
+    # to 11x the 2-rank one, and repack_shrink 0 makes "the model has shrunk" hold whatever the
     # measured totals (a tiny model's costs are mostly overhead; the gate itself is tested on
     # forced costs in test_controller).
     prune = ["--prune.enabled", "true", "--prune.structured", "true", "--prune.start_step", "3",
              "--prune.every", "1", "--prune.times", "1", "--prune.final_sparsity", "0.9"]
     run_train(tmp_path / "auto", "--steps", str(STEPS), "--balance.when", "every", "--balance.every", "6",
-              "--balance.repack", "true", "--balance.repack_tolerance", "10", "--balance.min_gain", "0", *prune)
+              "--balance.repack", "true", "--balance.repack_tolerance", "10", "--balance.repack_shrink", "0", *prune)
     recs = metrics(tmp_path / "auto")
     assert [r["workers"] for r in recs] == [2] * 6 + [1] * (STEPS - 6)
     ev = next(e for e in recs[6]["events"] if e["type"] == "migration")

@@ -84,33 +84,52 @@ def test_oracle_bound_and_static_uniform(stages, n, schedule, seed):
 
 
 def test_dynamic_optimal_with_free_migration_reaches_the_oracle():
-    """Constant costs: once the controller has seen a step it takes the min-max layout, and stays."""
+    """Constant costs: once the controller has seen a step, it runs the oracle's layout (both
+    take the least simulated step time among the same candidates)."""
     rng = np.random.default_rng(3)
     costs = np.tile(rng.uniform(0.2, 3.0, 14), (6, 1)) * 0.01
     t = make_trace(costs)
     opts = ReplayOptions(balance=replay_balance(when="every", every=1, window=1, min_gain=0.0), **FREE)
     dyn, orc = replay(t, 4, 1, ["optimal", "oracle"], opts)
-    # the controller takes the min-max layout; the oracle's is at least as fast in the schedule
-    minmax = balance(Problem(costs=costs[0].tolist(), stages=4), "optimal")
-    assert dyn.layouts[1:] == [list(minmax.boundaries)] * 5 and dyn.bottleneck_s[1:] == pytest.approx([minmax.bottleneck] * 5)
-    assert all(o <= d * (1 + 1e-12) for o, d in zip(orc.iteration_s, dyn.iteration_s))
+    assert dyn.iteration_s[1:] == pytest.approx(orc.iteration_s[1:], rel=1e-12)
+    assert dyn.bottleneck_s[1:] == pytest.approx(orc.bottleneck_s[1:], rel=1e-12)
     assert dyn.migration_s == 0.0 and dyn.total_s == pytest.approx(sum(dyn.iteration_s))
 
 
 def test_auto_moves_back_from_a_layout_whose_measured_step_time_lost():
-    """These costs' bottleneck-optimal layout runs a slower 1F1B step in the engine than the
-    uniform one (the schedule, not the bottleneck, sets the step): `auto` takes it on the
-    forecast, sees the measured step time lose, returns, and never tries it again."""
-    rng = np.random.default_rng(3)
-    costs = np.tile(rng.uniform(0.2, 3.0, 14), (12, 1)) * 0.01
-    t = make_trace(costs)
+    """The profiler reports layers 0-2 at a quarter of what they really cost (its median
+    microbatch, say, misses a slow one): on what it sees, moving a layer onto stage 0 saves
+    time; the engine's step (the real costs) shows it lose. `auto` moves, judges the move by the
+    measured step time after JUDGE windows, returns, and never tries that layout again."""
+    n, steps = 8, 16
+    cfg = {"model": {"n_layers": n - 2, "d_model": 32, "seq_len": 16, "vocab_size": 64},
+           "train": {"global_batch": 8, "microbatches": 4}, "parallel": {"schedule": "1f1b"}}
+    header = TraceHeader.from_config(cfg, param_counts(cfg["model"]), 2, 1)
+    real = np.ones(n) * 0.01
+    seen = real.copy()
+    seen[:3] *= 0.25
+    t = Trace(header, [TraceStep(k, (real / 3).tolist(), (2 * real / 3).tolist(), cost=seen.tolist()) for k in range(steps)])
     opts = ReplayOptions(balance=replay_balance(when="auto", window=1, min_gain=0.0), **FREE)
-    dyn, uni = replay(t, 4, 1, ["optimal", "uniform"], opts)
+    dyn, uni = replay(t, 2, 1, ["optimal", "uniform"], opts)
     moved = [k for k, lay in enumerate(dyn.layouts) if lay != uni.layouts[k]]
     assert len(moved) == 3  # judged on 2 steps after the first on the other layout: it lost
     assert uni.iteration_s[0] < dyn.iteration_s[moved[1]]
     assert dyn.migrations == 2 and dyn.layouts[-1] == uni.layouts[-1]
     assert dyn.total_s <= uni.total_s + 3 * (dyn.iteration_s[moved[0]] - uni.iteration_s[0]) + 1e-12
+
+
+def test_the_controller_does_not_take_a_layout_whose_simulated_step_is_slower():
+    """These costs' bottleneck-optimal layout runs a slower 1F1B step than the uniform one (the
+    schedule, not the bottleneck, sets the step): the controller compares layouts in the
+    schedule's simulated step time, so it never moves there, and ends no slower than uniform."""
+    rng = np.random.default_rng(3)
+    costs = np.tile(rng.uniform(0.2, 3.0, 14), (12, 1)) * 0.01
+    t = make_trace(costs)
+    opts = ReplayOptions(balance=replay_balance(when="auto", window=1, min_gain=0.0), **FREE)
+    dyn, uni, orc = replay(t, 4, 1, ["optimal", "uniform", "oracle"], opts)
+    minmax = balance(Problem(costs=costs[0].tolist(), stages=4), "optimal").boundaries
+    assert list(minmax) not in dyn.layouts
+    assert dyn.total_s <= uni.total_s and orc.total_s <= dyn.total_s
 
 
 @settings(max_examples=40, deadline=None)
@@ -226,7 +245,10 @@ def test_cli_link_delay_links_and_profile_steps(tmp_path, capsys):
         layouts[links] = [p["layouts"][-1] for p in doc["policies"]]
     one_way = [0.031, 0.001]
     want = list(profile_once_layout(np.ones(12) * 0.01, 3, one_way, one_way).boundaries)
-    assert layouts["measure"] == [want, want] and layouts["free"] == [[0, 4, 8, 12]] * 2
+    # profile-once keeps the load model's layout; the controller, scoring by the simulated step,
+    # also moves work off the slow link's ends; with links = free both stay compute-only
+    assert layouts["measure"][0] == want and layouts["measure"][1] != [0, 4, 8, 12]
+    assert layouts["free"] == [[0, 4, 8, 12]] * 2
     for bad, words in ((["--link-delay", "0.1,0.1,0.1"], "one per link"), (["--link-delay", "fast"], "not a number"),
                        (["--link-delay", "-1"], "--link-delay"), (["--link-delay", "nan"], "--link-delay"),
                        (["--links", "sometimes"], "--links"), (["--profile-steps", "0"], "--profile-steps")):
@@ -435,24 +457,25 @@ def test_link_delay_adds_its_transfers_on_the_critical_path():
 
 
 def test_the_controller_sees_the_link_times_the_engine_charges():
-    """Constant costs, a slow link 0: with links = measure the dynamic optimal, profile-once and
-    the oracle all settle on the layout that is optimal with each link's per-microbatch time,
-    comm + delay each way, charged to the activation's and to the gradient's sender; with
-    links = free on the compute-only one."""
+    """Constant costs, a slow link 0: with links = measure the dynamic optimal settles on a layout
+    as fast as the oracle's (the simulated optimum with each link's per-microbatch time, comm +
+    delay each way, charged to the activation's and the gradient's sender), faster than uniform;
+    profile-once takes the load model's optimum. With links = free the controller balances compute
+    only and keeps the compute-only layout, which the slow link makes slower than the oracle's."""
     costs = np.ones((6, 12)) * 0.01
     t = make_trace(costs)
     comm, delay = 0.001, [0.03, 0.0]
     every = dict(when="every", every=1, window=1, min_gain=0.0)
     one_way = [comm + delay[0], comm]
-    want = {"measure": profile_once_layout(costs[0], 3, one_way, one_way),
-            "free": profile_once_layout(costs[0], 3, None)}
-    # both ends of the slow link shed work to stage 2
-    assert want["measure"].boundaries[1] < want["free"].boundaries[1]
-    assert want["measure"].boundaries[2] - want["measure"].boundaries[1] < want["free"].boundaries[2] - want["free"].boundaries[1]
     for links in ("measure", "free"):
         opts = ReplayOptions(comm=comm, link_delay=delay, balance=replay_balance(links=links, **every), **FREE)
-        dyn, po, orc = replay(t, 3, 1, ["optimal", "profile-once", "oracle"], opts)
-        assert dyn.layouts[-1] == po.layouts[0] == orc.layouts[0] == list(want[links].boundaries)
+        dyn, po, orc, uni = replay(t, 3, 1, ["optimal", "profile-once", "oracle", "uniform"], opts)
+        if links == "measure":
+            assert po.layouts[0] == list(profile_once_layout(costs[0], 3, one_way, one_way).boundaries)
+            assert dyn.iteration_s[-1] == pytest.approx(orc.iteration_s[-1]) and dyn.iteration_s[-1] < uni.iteration_s[-1]
+        else:
+            assert dyn.layouts[-1] == po.layouts[0] == [0, 4, 8, 12]
+            assert orc.iteration_s[-1] < dyn.iteration_s[-1]
 
 
 @settings(max_examples=40, deadline=None)

@@ -1,23 +1,21 @@
-"""The layouts a step-time objective chooses among (the replay's oracle takes the best of them).
+"""The layouts a decision chooses among, scored by the simulated step time.
 
 The balancer (a DP) stays the generator: its min-max layout, with the fewest moves from the
 current one among equals. The step time of the schedule that runs is not the slowest stage's
 load (the fill and drain, forward and backward apart, links), so a bounded local search then
 tries the neighbours that shift a boundary of one of the heaviest stages by one layer, and keeps
-the best by `step_of`. The current layout is always a candidate: no move wins ties.
+the best by `steps_of`. The current layout is always a candidate: no move wins ties.
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 from dynmo.balance import Problem, balance
+from dynmo.controller.steptime import StepsOf
 from dynmo.layout import Layout
 
 ROUNDS = 3  # local-search rounds: each moves one boundary by one layer
 HEAVIEST = 2  # the boundaries of this many heaviest stages are tried in each round
 
-StepOf = Callable[[Problem, Layout], float]
 
 
 def generated(problem: Problem, balancer: str) -> Layout:
@@ -47,26 +45,29 @@ def neighbours(problem: Problem, layout: Layout) -> list[Layout]:
     return out
 
 
-def best_layout(problem: Problem, balancer: str, current: Layout | None, step_of: StepOf,
-                search: bool = True) -> tuple[Layout, float]:
-    """(the layout of least simulated step time among the candidates, its step time). The local
-    search runs when `search` is set or the balancer's layout is not `current`."""
+def best_layout(problem: Problem, balancer: str, current: Layout | None, steps_of: StepsOf,
+                search: bool = True, known: tuple[Layout, ...] = ()) -> tuple[Layout, float]:
+    """(the layout of least simulated step time among the candidates, its step time). Without
+    `search` only the balancer's layout, `current` and the `known` layouts (a previous search's
+    result) compete; each round of the local search scores its neighbours together (one
+    `steps_of` call). Ties go to `current`, then to the balancer's layout."""
     start = generated(problem, balancer)
-    best, t_best = start, step_of(problem, start)
-    if current is not None and current.num_stages == start.num_stages:
-        t_cur = step_of(problem, current)
-        if t_cur <= t_best:
-            best, t_best = current, t_cur
-    seen = {best.boundaries, start.boundaries}
-    for _ in range(ROUNDS if search or start != current else 0):
-        improved = False
-        for cand in neighbours(problem, best):
-            if cand.boundaries in seen:
-                continue
-            seen.add(cand.boundaries)
-            t = step_of(problem, cand)
-            if t < t_best * (1 - 1e-12):
-                best, t_best, improved = cand, t, True
-        if not improved:
+    first = [current] if current is not None and current.num_stages == start.num_stages else []
+    for lay in (start, *known):
+        if lay.num_stages == start.num_stages and lay not in first:
+            first.append(lay)
+    times = steps_of(problem, first)
+    i = min(range(len(first)), key=lambda j: times[j])
+    best, t_best = first[i], float(times[i])
+    seen = {lay.boundaries for lay in first}
+    for _ in range(ROUNDS if search else 0):
+        cands = [c for c in neighbours(problem, best) if c.boundaries not in seen]
+        if not cands:
             break
+        seen.update(c.boundaries for c in cands)
+        times = steps_of(problem, cands)
+        i = min(range(len(cands)), key=lambda j: times[j])
+        if not times[i] < t_best * (1 - 1e-12):
+            break
+        best, t_best = cands[i], float(times[i])
     return best, t_best

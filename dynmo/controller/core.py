@@ -7,17 +7,17 @@ judgement lives in its own module (`evidence`, `judge`, `repack`, `migration`, `
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from statistics import median
 
-from dynmo.balance import Problem, balance
+from dynmo.balance import Problem
 from dynmo.config import BalanceConfig
-from dynmo.controller import evidence, migration
+from dynmo.controller import candidates, evidence, migration
 from dynmo.controller.evidence import CONFIRM
 from dynmo.controller.judge import JUDGE, Judge
 from dynmo.controller.migration import MIGRATION_BANDWIDTH, MIGRATION_FIXED_S
 from dynmo.controller.repack import repack
-from dynmo.controller.steptime import positions_problem, step_time
+from dynmo.controller.steptime import StepModel, positions_problem
 from dynmo.layout import Layout
 
 __all__ = ["CONFIRM", "JUDGE", "Controller", "Decision"]
@@ -45,35 +45,38 @@ class Controller:
 
     cfg: BalanceConfig = field(default_factory=BalanceConfig)
     microbatches: int = 4
+    schedule: str = "1f1b"  # the schedule that runs: layouts are compared in its simulated step time
+    stages_per_rank: int | None = None  # multi-stage schedules; default: the schedule's
     # What the runtime measured about the workers and the memory (None = not modelled):
     speeds: list[float] | None = None  # per pipeline position, relative (1 = reference)
-    # per stage boundary j: seconds stage j spends sending one microbatch's activations to j+1, and
-    # seconds stage j+1 spends sending its gradient back (each charged to its sender)
-    transfer: list[float] | None = None
-    transfer_back: list[float] | None = None
+    transfer: list[float] | None = None  # per link j: seconds of one microbatch's activations j -> j+1
+    transfer_back: list[float] | None = None  # per link j: seconds of its gradient j+1 -> j
     memory: list[float] | None = None  # per layer: bytes it needs on a worker (state + activations in flight)
     capacity: float | None = None  # bytes per worker; default: cfg.memory_gb (0 = no cap)
     # migration cost model: seconds = fixed_s + bytes / bandwidth, refitted from each migration
     fixed_s: float = MIGRATION_FIXED_S
     bandwidth: float = MIGRATION_BANDWIDTH
-    history: deque = field(default_factory=deque)  # the window: per-layer costs of the last steps
+    history: deque = field(default_factory=deque)  # per-layer costs of the last steps (the evidence; the forecast reads `window`)
     pending: bool = False  # when = "dynamism": the model changed and no rebalance followed yet
     # `auto`'s defences against noise:
     margin: float = -1.0  # gain a decision needs; starts at cfg.min_gain, doubled after a migration that lost
     left: dict = field(default_factory=dict)  # layout boundaries -> step it was left at
     lost: set = field(default_factory=set)  # layouts a measured step time showed slower: never again
     judge: Judge = field(init=False)  # measured step times, and the last migration until judged
+    model: StepModel = field(init=False)  # the objective: simulated step time of a layout
     peak_total: float = 0.0  # the largest forecast total cost seen (re-packing waits for the model to shrink)
     proposal: tuple | None = None  # (layout boundaries, observed steps then): a move awaiting fresh evidence
     observed: int = 0  # steps observed
+    searched: Layout | None = None  # the last local search's best layout, a candidate until the next search
 
     def __post_init__(self) -> None:
         if self.cfg.window < 1:
             raise ValueError("balance.window must be >= 1")
         if self.capacity is None and self.cfg.memory_gb > 0:
             self.capacity = self.cfg.memory_gb * 2**30
-        self.history = deque(maxlen=self.cfg.window)
+        self.history = deque(maxlen=max(self.cfg.window, evidence.EVIDENCE_STEPS))
         self.judge = Judge(self.cfg.window)
+        self.model = StepModel(self.schedule, self.stages_per_rank)
         if self.margin < 0:
             self.margin = self.cfg.min_gain
 
@@ -89,7 +92,7 @@ class Controller:
         ran on. `changed`: the model changed in this step (a dynamism event)."""
         self.history.append(list(layer_costs))
         self.observed += 1
-        if len(self.history) == self.history.maxlen:
+        if len(self.history) >= self.cfg.window:
             self.peak_total = max(self.peak_total, sum(self.forecast()))
         if changed:
             self.judge.forget()  # the step time changed for another reason: nothing to judge
@@ -111,24 +114,34 @@ class Controller:
         self.history.clear()
         self.judge.step_times.clear()
         self.proposal = None
+        self.searched = None
         self.microbatches = microbatches
 
     def forecast(self) -> list[float] | None:
-        """Per-layer median of the window's costs."""
+        """Per-layer median of the last `window` steps' costs."""
         if not self.history:
             return None
-        return [median(col) for col in zip(*self.history)]
+        return [median(col) for col in zip(*list(self.history)[-self.cfg.window:])]
 
     def migration_cost(self, layer_bytes: list[int], current: Layout, new: Layout) -> float:
         return migration.migration_cost(self.fixed_s, self.bandwidth, layer_bytes, current, new)
 
     def step_s(self, problem: Problem, layout: Layout) -> float:
-        """Predicted step time of `layout` under `problem`'s costs (`step_time`)."""
-        return step_time(problem.loads_of_assignment(layout.owner()), self.microbatches)
+        """Predicted step time of `layout` under `problem`'s costs: the running schedule, simulated."""
+        return self.model.step_s(problem, layout, self.microbatches)
+
+    def steps_s(self, problem: Problem, layouts: list[Layout]) -> list[float]:
+        """`step_s` of each of `layouts` under one problem, simulated together."""
+        return self.model.steps_s([problem] * len(layouts), layouts, self.microbatches).tolist()
+
+    def _steps_under(self, steps: list[list[float]], layouts: list[Layout]) -> list[float]:
+        """Predicted step time of each layout under the per-layer costs of its step (pairwise)."""
+        problems = [self.problem(costs, lay.num_stages, lay) for costs, lay in zip(steps, layouts)]
+        return self.model.steps_s(problems, layouts, self.microbatches).tolist()
 
     def _step_under(self, costs: list[float], layout: Layout) -> float:
         """Predicted step time of `layout` under one step's per-layer costs."""
-        return self.step_s(self.problem(costs, layout.num_stages, layout), layout)
+        return self._steps_under([costs], [layout])[0]
 
     def problem(self, costs: list[float], stages: int, current: Layout | None = None) -> Problem:
         """The balancing problem for the first `stages` pipeline positions."""
@@ -154,8 +167,7 @@ class Controller:
         return self._rebalance(step, costs, current, layer_bytes, steps_left)
 
     def _triggered(self, step: int) -> bool:
-        """Whether this step may decide: `every`'s period; `dynamism`'s window after a change
-        (one step on a busy machine can be off by half), once per change."""
+        """`every`'s period; `dynamism`'s window after a change, once per change."""
         c = self.cfg
         if c.when == "never" or c.when == "every" and (step == 0 or step % c.every):
             return False
@@ -171,13 +183,15 @@ class Controller:
         migration over the horizon; with `auto`, only on the window's and fresh steps' evidence."""
         c = self.cfg
         problem = self.problem(costs, current.num_stages, current)
-        result = balance(problem, c.balancer)
-        if result.boundaries is None:
-            raise ValueError(f"balancer {c.balancer!r} gave a non-contiguous layout; pipelines need a contiguous one")
-        new = Layout(tuple(result.boundaries))
+        # the local search runs once a window; in between its last result stays a candidate
+        search = self.observed % c.window == 0 or self.searched is None
+        known = (self.searched,) if self.searched is not None and not search else ()
+        new, t_new = candidates.best_layout(problem, c.balancer, current, self.steps_s, search, known)
+        if search:
+            self.searched = new
         if new == current or new.boundaries in self.lost:
             return None
-        t_now, t_new = self.step_s(problem, current), self.step_s(problem, new)
+        t_now = self.step_s(problem, current)
         horizon = max(0, min(c.horizon, steps_left))
         margin = self.margin
         if c.when == "auto" and step - self.left.get(new.boundaries, -10**9) <= c.horizon:
@@ -186,7 +200,7 @@ class Controller:
             self.proposal = None
             return None
         if c.when == "auto":
-            if not evidence.consistent(self.per_step_gains(current, new), margin):
+            if not evidence.supported(self.per_step_gains(current, new), c.window, margin):
                 self.proposal = None
                 return None
             chosen, self.proposal = evidence.confirmed(self.proposal, self.observed, len(self.history), c.window,
@@ -194,9 +208,9 @@ class Controller:
             if chosen is None:
                 return None
             new, t_new = chosen, self.step_s(problem, chosen)
-            result = replace(result, bottleneck=max(problem.loads_of_assignment(new.owner())))
+        loads = problem.loads_of_assignment
         return self._decided(step, current, Decision(
-            new, result.bottleneck, max(problem.loads_of_assignment(current.owner())), (t_now - t_new) * horizon,
+            new, max(loads(new.owner())), max(loads(current.owner())), (t_now - t_new) * horizon,
             self.migration_cost(layer_bytes, current, new), predicted_step_s=t_new, current_step_s=t_now,
             reason="rebalance"))
 
@@ -207,14 +221,14 @@ class Controller:
         return d
 
     def per_step_gains(self, current: Layout, new: Layout) -> list[float]:
-        """Per observed step of the window: the relative step-time saving of `new` over `current`."""
-        return evidence.per_step_gains(self.history, self._step_under, current, new)
+        """Per observed step: the relative step-time saving of `new` over `current` (oldest first)."""
+        return evidence.per_step_gains(self.history, self._steps_under, current, new)
 
     def _judge_last_migration(self, current: Layout, layer_bytes: list[int], steps_left: int) -> Decision | None:
         """A migration that lost doubles the margin; a rebalance that lost is undone and its
         layout never chosen again in the run (released workers do not come back, so a re-pack
         that lost only raises the margin)."""
-        judged = self.judge.verdict(current, self.cfg.min_gain, self.cfg.repack_tolerance, self._step_under)
+        judged = self.judge.verdict(current, self.cfg.min_gain, self.cfg.repack_tolerance, self._steps_under)
         if judged is None or not judged[1].lost:
             return None
         chk, v = judged
@@ -228,7 +242,8 @@ class Controller:
 
     def _repack(self, step: int, costs: list[float], current: Layout, layer_bytes: list[int],
                 steps_left: int) -> Decision | None:
-        r = repack(self.cfg, costs, current, self.peak_total, self.problem, self.step_s, self.history)
+        r = repack(self.cfg, costs, current, self.peak_total, self.problem, self.steps_s, list(self.history)[-self.cfg.window:],
+                   self.microbatches)
         if r is None:
             return None
         problem = self.problem(costs, current.num_stages, current)

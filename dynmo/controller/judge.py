@@ -5,17 +5,17 @@ warms, per-step dynamism, the machine's load), so their step times are not compa
 Each layout's step time is predicted under the *after* steps' own costs by the step-time model,
 scaled by how far the model was off for that layout when it ran (measured / predicted: before
 the migration for the old layout, after it for the new). If the new layout's comes out slower
-than the old's (beyond the re-pack's tolerance, for a re-pack) by more than `min_gain`, the
-migration lost.
+than the old's by more than the measured step times' noise (beyond the re-pack's tolerance, for
+a re-pack), the migration lost.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from statistics import median
-from typing import Callable
+from statistics import fmean, median, stdev
 
+from dynmo.controller.steptime import StepTimes
 from dynmo.layout import Layout
 
 # windows of measured step times before and after a migration that judge it: a step's time
@@ -49,18 +49,21 @@ def ready(p: Pending | None, current: Layout, window: int) -> bool:
     return p is not None and p.new == current and len(p.after) >= JUDGE * window + 1 and bool(p.before)
 
 
-def judge_migration(p: Pending, min_gain: float, repack_tolerance: float,
-                    step_s: Callable[[list[float], Layout], float]) -> Verdict:
+def judge_migration(p: Pending, min_gain: float, repack_tolerance: float, steps_s: StepTimes) -> Verdict:
     """The verdict on a `ready` migration. Noise only ever slows a step (a straggler microbatch, a
     busy core): the fastest steps of each window show what its layout can do."""
     after = p.after[1:]
     off_old = min(p.before)
     off_new = min(r for r, _ in after)
-    t_old = median(off_old * step_s(c, p.old) for _, c in after)
-    t_new = median(off_new * step_s(c, p.new) for _, c in after)
-    # lost: slower than the old layout by more than the margin (within it, step-time noise could
-    # not tell), or than a re-pack's tolerance
-    allowed = t_old * (1 + (repack_tolerance if p.repack else 0.0) + min_gain)
+    costs = [c for _, c in after]
+    n = len(costs)
+    times = steps_s(costs + costs, [p.old] * n + [p.new] * n)
+    t_old = median(off_old * t for t in times[:n])
+    t_new = median(off_new * t for t in times[n:])
+    # lost: slower than the old layout by more than the step times' own noise (their relative
+    # spread before the migration) or the min_gain floor, or than a re-pack's tolerance
+    noise = stdev(p.before) / fmean(p.before) if len(p.before) > 1 else 0.0
+    allowed = t_old * (1 + (repack_tolerance if p.repack else 0.0) + max(min_gain, noise))
     return Verdict(t_new > allowed, t_old, t_new)
 
 
@@ -91,9 +94,9 @@ class Judge:
         self.step_times.clear()
 
     def verdict(self, current: Layout, min_gain: float, repack_tolerance: float,
-                step_s: Callable[[list[float], Layout], float]) -> tuple[Pending, Verdict] | None:
+                steps_s: StepTimes) -> tuple[Pending, Verdict] | None:
         """The pending migration and its verdict, once `ready` (it is then no longer pending)."""
         if not ready(self.pending, current, self.window):
             return None
         p, self.pending = self.pending, None
-        return p, judge_migration(p, min_gain, repack_tolerance, step_s)
+        return p, judge_migration(p, min_gain, repack_tolerance, steps_s)

@@ -2,7 +2,7 @@
 tolerance of the best all-worker layout's, once the model has shrunk.
 
 Released workers never come back, so a model that may still grow keeps them: the re-pack waits
-until the forecast total cost fell by `min_gain` from the largest seen.
+until the forecast total cost fell by `repack_shrink` from the largest seen.
 """
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ from typing import Callable, Iterable
 
 from dynmo.balance import Problem, balance
 from dynmo.config import BalanceConfig
+from dynmo.controller.candidates import best_layout
+from dynmo.controller.steptime import StepsOf
 from dynmo.layout import Layout
 
 ProblemOf = Callable[..., Problem]  # (costs, stages[, current]) -> the balancing problem on positions 0..stages-1
-StepOf = Callable[[Problem, Layout], float]  # predicted step seconds of a layout under a problem's costs
 
 
 @dataclass
@@ -27,41 +28,46 @@ class Repack:
 
 
 def repack(cfg: BalanceConfig, costs: list[float], current: Layout, peak_total: float, problem_of: ProblemOf,
-           step_of: StepOf, window: Iterable[list[float]]) -> Repack | None:
+           steps_of: StepsOf, window: Iterable[list[float]], microbatches: int) -> Repack | None:
     """The re-pack to make now, or None (the model has not shrunk, or every worker is needed).
-    With `when` other than `every`, the re-pack must also keep its tolerance on nearly every
-    step of the `window` (as `evidence.consistent`)."""
+    The tolerance is against the best layout on all of today's positions among the controller's
+    candidates. With `when` other than `every`, the re-pack must also keep its tolerance on 80% of
+    the steps of the `window`.
+
+    A stage count whose slowest stage alone, `microbatches` times, exceeds the limit cannot be
+    within it (that stage runs every microbatch's forward and backward), and is not simulated."""
+
+    def best_of(problem: Problem) -> float:
+        return best_layout(problem, cfg.balancer, None, steps_of)[1]
+
     p = current.num_stages
-    if sum(costs) > (1 - cfg.min_gain) * peak_total:
+    if sum(costs) > (1 - cfg.repack_shrink) * peak_total:
         return None
-    t_best = _best_step(problem_of(costs, p, current), step_of)
+    t_best = best_of(problem_of(costs, p, current))
     limit = t_best * (1 + cfg.repack_tolerance) * (1 + 1e-9)
     for k in range(1, p):
         sub = problem_of(costs, k)
+        if microbatches * sum(costs) / float(sub.s.sum()) > limit:
+            continue  # even a perfect split of the work over k positions is too slow
         result = balance(sub, cfg.balancer)  # the runtime keeps positions 0..k-1
-        if result.boundaries is None:
+        if result.boundaries is None or microbatches * result.bottleneck > limit:
             continue
         new = Layout(tuple(result.boundaries))
-        t_k = step_of(sub, new)
+        t_k = float(steps_of(sub, [new])[0])
         if t_k <= limit:
             break
     else:
         return None
-    if cfg.when != "every" and not _fits_on_most_steps(cfg, current, new, k, problem_of, step_of, window):
+    if cfg.when != "every" and not _fits_on_most_steps(cfg, current, new, k, problem_of, steps_of, window, best_of):
         return None
     return Repack(new, result.bottleneck, t_k, t_best)
 
 
-def _best_step(problem: Problem, step_of: StepOf) -> float:
-    """The predicted step time of the optimal layout of `problem`."""
-    return step_of(problem, Layout(tuple(balance(problem, "optimal").boundaries)))
-
-
 def _fits_on_most_steps(cfg: BalanceConfig, current: Layout, new: Layout, k: int, problem_of: ProblemOf,
-                        step_of: StepOf, window: Iterable[list[float]]) -> bool:
+                        steps_of: StepsOf, window: Iterable[list[float]], best_of: Callable[[Problem], float]) -> bool:
     steps = list(window)
     ok = 0
     for costs in steps:
-        t_best = _best_step(problem_of(costs, current.num_stages, current), step_of)
-        ok += step_of(problem_of(costs, k), new) <= t_best * (1 + cfg.repack_tolerance) * (1 + 1e-9)
+        t_best = best_of(problem_of(costs, current.num_stages, current))
+        ok += steps_of(problem_of(costs, k), [new])[0] <= t_best * (1 + cfg.repack_tolerance) * (1 + 1e-9)
     return ok >= -(-len(steps) * 4 // 5)

@@ -13,24 +13,25 @@
 See docs/simulator.md for the model, its assumptions and the JSON formats.
 """
 
-from dynmo.sim.engine import (
-    SimInputError,
-    SimResult,
-    StageTimes,
-    bubble_ratio,
-    lower_bound,
-    predict_iteration_time,
-    ring_allreduce_time,
-    simulate,
-    simulate_plan,
-)
-from dynmo.sim.schedules import SCHEDULES, Op, Plan, ScheduleError, build_plan
-from dynmo.sim.stages import stage_times
-from dynmo.sim.trace import Trace, TraceError, TraceHeader, TraceStep, TraceWriter, load_trace, scale_trace, trace_from_metrics
+import importlib
 
-__all__ = [
-    "SCHEDULES", "Op", "Plan", "ScheduleError", "SimInputError", "SimResult", "StageTimes",
-    "build_plan", "bubble_ratio", "lower_bound", "predict_iteration_time",
-    "ring_allreduce_time", "simulate", "simulate_plan", "stage_times",
-    "Trace", "TraceError", "TraceHeader", "TraceStep", "TraceWriter", "load_trace", "scale_trace", "trace_from_metrics",
-]
+# Names resolve on first use (PEP 562), so importing the engine (`dynmo.sim.engine`, which the
+# controller scores layouts with, one layer below the rest of this package) does not import the
+# traces and the replay, which themselves import the controller.
+_WHERE = {
+    **dict.fromkeys(("SimInputError", "SimResult", "StageTimes", "bubble_ratio", "lower_bound", "predict_iteration_time",
+                     "ring_allreduce_time", "simulate", "simulate_plan"), "dynmo.sim.engine"),
+    **dict.fromkeys(("SCHEDULES", "Op", "Plan", "ScheduleError", "build_plan"), "dynmo.sim.schedules"),
+    "stage_times": "dynmo.sim.stages",
+    **dict.fromkeys(("Trace", "TraceError", "TraceHeader", "TraceStep", "TraceWriter", "load_trace", "scale_trace",
+                     "trace_from_metrics"), "dynmo.sim.trace"),
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'dynmo.sim' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value

@@ -72,7 +72,8 @@ def run_oracle(trace: Trace, runner: Runner, stages: int, res: PolicyResult,
     transfer = runner.link_times(stages)
     for k in range(len(trace.steps)):
         problem = Problem(costs=runner.costs[k].tolist(), stages=stages, transfer=transfer, transfer_back=transfer)
-        best, t_best = candidates.best_layout(problem, "optimal", None, lambda _p, lay: runner.iteration_s(k, lay))
+        best, t_best = candidates.best_layout(problem, "optimal", None,
+                                              lambda _p, lays: [runner.iteration_s(k, lay) for lay in lays])
         for r in others:
             if k < len(r.layouts) and r.microbatches[k] == runner.m and r.layouts[k] != list(best.boundaries):
                 lay = Layout(tuple(r.layouts[k]))
@@ -89,7 +90,8 @@ def run_dynamic(trace: Trace, runner: Runner, stages: int, balancer: str, do_rep
     h = trace.header
     links = runner.link_times(stages)  # the same each way: the engine's transfers are symmetric
     loop = DynmoLoop(replace(opts.balance, balancer=balancer, repack=do_repack), microbatches=runner.m,
-                     schedule=runner.schedule, layer_params=h.params, layer_bytes=h.layer_bytes,
+                     schedule=runner.schedule, stages_per_rank=runner.v, layer_params=h.params,
+                     layer_bytes=h.layer_bytes,
                      transfer=links, transfer_back=links,
                      migration_fixed_s=opts.migration_fixed_s, migration_bandwidth=opts.migration_bandwidth)
     layout = static_layout(opts.initial, trace, stages, runner)
@@ -121,4 +123,6 @@ def run_dynamic(trace: Trace, runner: Runner, stages: int, balancer: str, do_rep
         runner.step(k, layout, res, m)
         loop.observe(StepRecord(step=k, layout=list(layout.boundaries), microbatches=m,
                                 layer_cost_s=runner.observed[k].tolist(), layer_state_bytes=list(lbytes),
+                                layer_fwd_s=runner.fwd[k].tolist(), layer_bwd_s=runner.bwd[k].tolist(),
+                                layer_wgrad_s=None if runner.wgrad is None else runner.wgrad[k].tolist(),
                                 step_s=res.iteration_s[-1], events=events))

@@ -75,10 +75,14 @@ class Runner:
             ar = ring_allreduce_time(grad_bytes, self.dp, self.opts.allreduce_bandwidth, self.opts.allreduce_latency)
         loads = ((f + bw) / scale).tolist()  # per traced-size microbatch, comparable across policies
         o = self.opts.op_overhead
-        # an injected delay is per transfer: it does not grow with a re-tuned microbatch's size
-        delay = None if self.delay is None else self.delay[: layout.num_stages - 1]
-        times = StageTimes.build(f + o, bw + o, m, wgrad=w, comm=self.opts.comm * scale, allreduce=ar,
-                                 link_delay=delay)
+        f, bw = f + o, bw + o
+        if self.delay is not None and layout.num_stages > 1:
+            # an injected delay is a wait in the sender (as the runtime injects it), once per
+            # transfer: it does not grow with a re-tuned microbatch's size
+            d = self.delay[: layout.num_stages - 1]
+            f[:-1] += d
+            bw[1:] += d
+        times = StageTimes.build(f, bw, m, wgrad=w, comm=self.opts.comm * scale, allreduce=ar)
         plan = self.plan(layout.num_stages, m)
         sim = simulate_plan(plan, times, dp=self.dp, p2p=self.opts.p2p, split_bubble=False)
         return sim, loads, plan
