@@ -1,12 +1,16 @@
 """How long one controller decision takes: the balancer generating, the simulated step time scoring.
 
-    python benchmarks/bench_decide.py [--repeats 3]
+    python benchmarks/bench_decide.py [--repeats 3] [--replays dense-60,dense-moe-80]
 
 For each shape (layers x stages, microbatches = 4 x stages), a controller with `when = every`
 observes a window of drifting per-layer costs and decides once from the uniform layout; the
 table gives the wall time of `decide` (median of --repeats), how many batched simulation passes
 it made and how many layouts they scored, and whether the running schedule was simulated (the event-driven engine) or, beyond
-`dynmo.controller.steptime.MAX_SIM_OPS`, the closed form stood in. Pure; no torch.
+`dynmo.controller.steptime.MAX_SIM_OPS`, the closed form stood in. With --replays, `auto`'s
+decisions over whole runs too: each named committed trace (docs/bench/traces/<name>.jsonl)
+scaled to 48 blocks and replayed noise-free from uniform on 24 stages x 30 replicas with 96
+microbatches, the replay's measured decide time in all, per step and as a share of the run.
+Pure; no torch.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -36,10 +41,10 @@ def one(layers: int, stages: int, seed: int) -> tuple[float, int, bool]:
     calls = [0, 0]  # passes, layouts scored
     steps_s = c.model.steps_s
 
-    def counted(problems, layouts, microbatches):
+    def counted(problems, layouts, *args):
         calls[0] += 1
         calls[1] += len(layouts)
-        return steps_s(problems, layouts, microbatches)
+        return steps_s(problems, layouts, *args)
 
     c.model.steps_s = counted
     c.model.plan(stages, m)  # the schedule's graph is built once per shape, not per decision
@@ -51,8 +56,11 @@ def one(layers: int, stages: int, seed: int) -> tuple[float, int, bool]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--replays", default="", help="comma-separated trace names in --traces to replay with auto")
+    ap.add_argument("--traces", default="docs/bench/traces")
     args = ap.parse_args(argv)
-    print(f"python benchmarks/bench_decide.py --repeats {args.repeats}\n")
+    print(f"python benchmarks/bench_decide.py --repeats {args.repeats}"
+          + (f" --replays {args.replays}" if args.replays else "") + "\n")
     print("| layers | stages | microbatches | decide s (median) | simulation passes | layouts scored | objective |")
     print("|---:|---:|---:|---:|---:|---:|---|")
     for layers, stages in SHAPES:
@@ -60,7 +68,24 @@ def main(argv: list[str] | None = None) -> int:
         secs = statistics.median(r[0] for r in runs)
         print(f"| {layers:,} | {stages:,} | {4 * stages:,} | {secs:.3f} | {runs[0][1][0]} | {runs[0][1][1]} | "
               f"{'simulated' if runs[0][2] else 'closed form'} |", flush=True)
+    names = [n.strip() for n in args.replays.split(",") if n.strip()]
+    if names:
+        print("\n| trace | steps | decide s | per step | share of the run |\n|---|---:|---:|---:|---:|")
+    for name in names:
+        r = replayed(Path(args.traces) / f"{name}.jsonl")
+        print(f"| {name} | {r.steps} | {r.decide_s:.3f} | {1000 * r.decide_s / r.steps:.1f} ms | "
+              f"{100 * r.decide_s / r.total_s:.2f} % |", flush=True)
     return 0
+
+
+def replayed(path: Path):
+    """`auto` from uniform over the whole trace at 24 x 30, noise-free (the replay's result)."""
+    from dynmo.sim import load_trace, scale_trace
+    from dynmo.sim.replay import ReplayOptions, replay, replay_balance
+
+    trace = scale_trace(load_trace(path), 48)
+    (r,) = replay(trace, 24, 30, ["optimal"], ReplayOptions(microbatches=96, balance=replay_balance(when="auto")))
+    return r
 
 
 if __name__ == "__main__":

@@ -46,6 +46,32 @@ def test_auto_ignores_noise(stages, n, noise, seed):
         assert c.decide(step, layout, [0] * n, 100) is None
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**31))
+def test_history_times_simulate_each_step_once_with_its_own_forward_backward_split(seed):
+    """The evidence's step times on the history, cached across decisions, are what simulating
+    each step afresh gives, split forward/backward as measured on that step, for any layouts,
+    as steps enter and leave the history."""
+    rng = random.Random(seed)
+    n, stages = rng.randint(4, 9), rng.randint(2, 3)
+    c = Controller(BalanceConfig(when="auto", window=3), rng.choice([2, 4, 8]), fixed_s=0.0)
+    layouts = [Layout.uniform(n, stages), candidates.generated(Problem(costs=[rng.random() + 0.1 for _ in range(n)],
+                                                                       stages=stages), "optimal")]
+    shares = []
+    for _ in range(rng.randint(3, 30)):
+        fwd = [rng.uniform(0.1, 1.0) for _ in range(n)]
+        bwd = [2 * f * rng.uniform(0.5, 1.5) for f in fwd]
+        c.model.observe_shares(fwd, bwd, None)
+        c.observe([f + b for f, b in zip(fwd, bwd)])
+        shares = (shares + [(c.model.fwd_share, c.model.wgrad_share)])[-len(c.history):]
+        got = c.history_times(layouts)
+        steps = [list(h) for h in c.history]
+        for lay, times in zip(layouts, got):
+            want = c.model.steps_s([c.problem(s, stages, lay) for s in steps], [lay] * len(steps), c.microbatches,
+                                   shares)
+            assert times == pytest.approx(want.tolist(), rel=1e-12)
+
+
 def test_auto_ignores_a_forecast_gain_no_observed_step_shows():
     """The per-layer median can favour a layout that loses on most of the steps it came from
     (per-step noise, the winner's curse): forecast [2, 3, 2, 1, 1, 1] says (0, 2, 6) cuts the

@@ -20,27 +20,29 @@ Whatever the trigger, a rebalance must cut the predicted step time by the margin
 and repay its migration over the horizon; `auto` and `dynamism` decisions are judged by the
 measured step time afterwards (below), `every` (the user's fixed schedule) is not.
 
-Step time. Layouts are compared by the step time they predict (`step_time`): with stage loads
-s_j per microbatch (link times and worker speeds included), a GPipe/1F1B step takes
-(m - 1) x max_j s_j + sum_j s_j -- one microbatch through every stage (fill and drain), the
-rest at the pace of the slowest stage. The saving of a rebalance over the next `horizon` steps
-must exceed the migration's predicted cost (fixed + bytes / bandwidth, re-fitted from every
-migration measured).
+Step time. Layouts are compared by the step time of the schedule that runs, simulated
+(`steptime.StepModel`: forward, backward and weight-gradient apart, link times charged to the
+sender, the event-driven engine's numbers for many layouts at once); the closed form
+(m - 1) x max_j s_j + sum_j s_j (`step_time`) stands in only beyond `MAX_SIM_OPS`. The
+candidates are the balancer's layout, the current one and a bounded local search around them
+(`candidates`). The saving of a rebalance over the next `horizon` steps must exceed the
+migration's predicted cost (fixed + bytes / bandwidth, re-fitted from every migration measured).
 
 `auto` against noise. A loaded machine, a straggler microbatch or per-step dynamism (MoE
 routing) make each step's costs noisy, and the layout that is optimal for a forecast fitted
 to that noise looks better than it is (the winner's curse). So `auto` moves layers only when
-  - the forecast (per-layer median of the last `window` steps) saves `min_gain` of the step time;
-  - the saving shows on nearly every observed step of the window, each evaluated under its own
-    costs (all of a window of up to 4 steps, 80% of a longer one): one slow step, or a short
-    slow phase of a worker, is not a change in the model, while a real step change shows on
-    every step after it;
-  - the proposed move is confirmed on 2 fresh steps (`evidence.confirmed`), so a real change is acted
-    on `window` + 2 steps after it happened (5 by default);
+  - the forecast (per-layer median of the last `window` steps) saves at least `min_gain`
+    (0 by default) of the step time;
+  - the saving is significant on the observed steps, each evaluated under its own costs: a
+    one-sided t-test on the per-step savings of the window, or of up to 20 observed steps
+    (`evidence.supported`), so a saving the steps' own variation could produce moves nothing;
+  - the proposed move is confirmed on 2 fresh steps (`evidence.confirmed`), so a real change is
+    acted on `window` + 2 steps after it happened (5 by default);
   - going back to a layout left within the horizon needs twice the gain (no ping-pong);
   - and after each migration the controller judges it by the measured step time
-    (`judge.judge_migration`): a migration that made the step slower by more than `min_gain`
-    is undone, its layout is never chosen again in the run, and the margin doubles.
+    (`judge.judge_migration`): a migration that made the step slower by more than the step
+    times' own noise is undone, its layout is never chosen again in the run, and the margin
+    doubles.
 Replayed figures and the trade-off between reaction time and false moves are in
 docs/controller.md.
 
@@ -66,7 +68,7 @@ The decision, step by step (`Controller.decide`), each step in its own module:
   forecast  per-layer median of the window (`Controller.forecast`)
   re-pack   the fewest workers within tolerance, once the model shrank (`repack`)
   propose   the balancer's layout for the forecast, worth its margin and its migration
-  evidence  `auto`: the gain on nearly every step of the window, then on fresh steps (`evidence`)
+  evidence  `auto`: the gain significant on the observed steps, then on fresh steps (`evidence`)
 The step-time model (`steptime`) and the migration cost model (`migration`) are what every
 step compares with.
 """

@@ -68,6 +68,13 @@ class Controller:
     proposal: tuple | None = None  # (layout boundaries, observed steps then): a move awaiting fresh evidence
     observed: int = 0  # steps observed
     searched: Layout | None = None  # the last local search's best layout, a candidate until the next search
+    # predicted step times on the history's steps, {step's costs: {layout boundaries: seconds}}:
+    # the evidence reads every step of the history each decision, and each (step, layout) pair
+    # is simulated once, with the forward/backward split measured on that step (`_shares`);
+    # `_cache_key` is what else the times depend on (the cache is emptied when it changes)
+    _times: dict = field(default_factory=dict, init=False, repr=False)
+    _shares: dict = field(default_factory=dict, init=False, repr=False)
+    _cache_key: tuple = field(default=(), init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.cfg.window < 1:
@@ -91,6 +98,7 @@ class Controller:
         """One step's per-layer costs, and, if known, its measured step time and the layout it
         ran on. `changed`: the model changed in this step (a dynamism event)."""
         self.history.append(list(layer_costs))
+        self._shares[tuple(self.history[-1])] = (self.model.fwd_share, self.model.wgrad_share)
         self.observed += 1
         if len(self.history) >= self.cfg.window:
             self.peak_total = max(self.peak_total, sum(self.forecast()))
@@ -134,10 +142,12 @@ class Controller:
         """`step_s` of each of `layouts` under one problem, simulated together."""
         return self.model.steps_s([problem] * len(layouts), layouts, self.microbatches).tolist()
 
-    def _steps_under(self, steps: list[list[float]], layouts: list[Layout]) -> list[float]:
-        """Predicted step time of each layout under the per-layer costs of its step (pairwise)."""
+    def _steps_under(self, steps: list[list[float]], layouts: list[Layout],
+                     shares: list[tuple | None] | None = None) -> list[float]:
+        """Predicted step time of each layout under the per-layer costs of its step (pairwise),
+        split forward/backward by `shares` (per pair; default the latest measured)."""
         problems = [self.problem(costs, lay.num_stages, lay) for costs, lay in zip(steps, layouts)]
-        return self.model.steps_s(problems, layouts, self.microbatches).tolist()
+        return self.model.steps_s(problems, layouts, self.microbatches, shares).tolist()
 
     def _step_under(self, costs: list[float], layout: Layout) -> float:
         """Predicted step time of `layout` under one step's per-layer costs."""
@@ -186,12 +196,19 @@ class Controller:
         # the local search runs once a window; in between its last result stays a candidate
         search = self.observed % c.window == 0 or self.searched is None
         known = (self.searched,) if self.searched is not None and not search else ()
-        new, t_new = candidates.best_layout(problem, c.balancer, current, self.steps_s, search, known)
+        scored: dict[tuple, float] = {}  # the candidates' step times, current's included
+
+        def steps_of(pr: Problem, layouts: list[Layout]) -> list[float]:
+            times = self.steps_s(pr, layouts)
+            scored.update(zip((lay.boundaries for lay in layouts), times))
+            return times
+
+        new, t_new = candidates.best_layout(problem, c.balancer, current, steps_of, search, known)
         if search:
             self.searched = new
         if new == current or new.boundaries in self.lost:
             return None
-        t_now = self.step_s(problem, current)
+        t_now = scored[current.boundaries] if current.boundaries in scored else self.step_s(problem, current)
         horizon = max(0, min(c.horizon, steps_left))
         margin = self.margin
         if c.when == "auto" and step - self.left.get(new.boundaries, -10**9) <= c.horizon:
@@ -207,7 +224,7 @@ class Controller:
                                                        current, new, margin, lambda p: self.per_step_gains(current, p))
             if chosen is None:
                 return None
-            new, t_new = chosen, self.step_s(problem, chosen)
+            new, t_new = chosen, scored[chosen.boundaries] if chosen.boundaries in scored else self.step_s(problem, chosen)
         loads = problem.loads_of_assignment
         return self._decided(step, current, Decision(
             new, max(loads(new.owner())), max(loads(current.owner())), (t_now - t_new) * horizon,
@@ -222,7 +239,27 @@ class Controller:
 
     def per_step_gains(self, current: Layout, new: Layout) -> list[float]:
         """Per observed step: the relative step-time saving of `new` over `current` (oldest first)."""
-        return evidence.per_step_gains(self.history, self._steps_under, current, new)
+        old_t, new_t = self.history_times([current, new])
+        return evidence.gains(old_t, new_t)
+
+    def history_times(self, layouts: list[Layout]) -> list[list[float]]:
+        """Per layout: its predicted step time under each step of the history (oldest first).
+        Each (step, layout) pair is simulated once while the step stays in the history; the
+        missing ones are simulated together."""
+        key = tuple(tuple(x) if x is not None else None
+                    for x in (self.speeds, self.transfer, self.transfer_back)) + (self.microbatches,)
+        steps = [tuple(c) for c in self.history]
+        if key != self._cache_key:
+            self._times, self._cache_key = {}, key
+        self._times = {c: self._times.get(c, {}) for c in steps}  # forget steps that left the history
+        self._shares = {c: self._shares[c] for c in steps if c in self._shares}
+        todo = [(c, lay) for lay in layouts for c in dict.fromkeys(steps) if lay.boundaries not in self._times[c]]
+        if todo:
+            times = self._steps_under([list(c) for c, _ in todo], [lay for _, lay in todo],
+                                      [self._shares.get(c) for c, _ in todo])
+            for (c, lay), t in zip(todo, times):
+                self._times[c][lay.boundaries] = t
+        return [[self._times[c][lay.boundaries] for c in steps] for lay in layouts]
 
     def _judge_last_migration(self, current: Layout, layer_bytes: list[int], steps_left: int) -> Decision | None:
         """A migration that lost doubles the margin; a rebalance that lost is undone and its

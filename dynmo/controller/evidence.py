@@ -28,9 +28,8 @@ from __future__ import annotations
 
 import math
 from statistics import fmean, stdev
-from typing import Callable, Iterable
+from typing import Callable, Sequence
 
-from dynmo.controller.steptime import StepTimes
 from dynmo.layout import Layout
 
 CONFIRM = 2  # fresh steps that must confirm a proposed move (see `confirmed`)
@@ -62,13 +61,10 @@ def noise_bound(gains: list[float], n: int, t: Callable[[int], float] = t95) -> 
     """What the step-to-step variation of `gains` could produce by chance in the mean of n steps."""
     return t(len(gains) - 1) * spread(gains) / math.sqrt(n) if len(gains) > 1 else 0.0
 
-def per_step_gains(window: Iterable[list[float]], steps_s: StepTimes, current: Layout, new: Layout) -> list[float]:
-    """Per observed step of the window: the relative step-time saving of `new` over `current`
-    under that step's own costs (both layouts on every step, in one `steps_s` call)."""
-    steps = list(window)
-    n = len(steps)
-    times = steps_s(steps + steps, [current] * n + [new] * n)
-    return [(old_t - new_t) / old_t if old_t > 0 else 0.0 for old_t, new_t in zip(times[:n], times[n:])]
+def gains(old_times: Sequence[float], new_times: Sequence[float]) -> list[float]:
+    """Per observed step: the relative step-time saving of the proposed layout (its predicted
+    step times `new_times`) over the current one (`old_times`), both under that step's own costs."""
+    return [(old_t - new_t) / old_t if old_t > 0 else 0.0 for old_t, new_t in zip(old_times, new_times)]
 
 
 def significant(gains: list[float], margin: float, t: Callable[[int], float] = t95) -> bool:

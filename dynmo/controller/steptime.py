@@ -85,9 +85,12 @@ class StepModel:
         link times (forward `transfer`, backward `transfer_back`, per link)."""
         return float(self.steps_s([problem], [layout], microbatches)[0])
 
-    def steps_s(self, problems: Sequence[Problem], layouts: Sequence[Layout], microbatches: int) -> np.ndarray:
+    def steps_s(self, problems: Sequence[Problem], layouts: Sequence[Layout], microbatches: int,
+                shares: Sequence[tuple | None] | None = None) -> np.ndarray:
         """`step_s` of each (problem, layout) pair, simulated together (`Wavefronts`): a decision
-        scores its candidates, and the evidence every observed step, in one pass per stage count."""
+        scores its candidates, and the evidence every observed step, in one pass per stage count.
+        `shares[i]`: the (forward, weight-gradient) shares of the layers' costs to split pair i's
+        costs with (the ones measured on that pair's step), None for the model's latest."""
         out = np.zeros(len(layouts))
         by_stages: dict[int, list[int]] = {}
         for i, lay in enumerate(layouts):
@@ -98,22 +101,23 @@ class StepModel:
                 for i in idx:
                     out[i] = step_time(problems[i].loads_of_assignment(layouts[i].owner()), microbatches)
                 continue
-            parts = [self._stage_times(problems[i], layouts[i]) for i in idx]
+            parts = [self._stage_times(problems[i], layouts[i], shares[i] if shares else None) for i in idx]
             fwd, bwd, wgrad, tf, tb = (np.stack(x) for x in zip(*parts))
             out[idx] = graph.iteration_times(fwd, bwd, wgrad, tf, tb)
         return out
 
-    def _stage_times(self, problem: Problem, layout: Layout) -> tuple[np.ndarray, ...]:
+    def _stage_times(self, problem: Problem, layout: Layout, shares: tuple | None = None) -> tuple[np.ndarray, ...]:
         """(forward, backward, weight-gradient, forward link, backward link) seconds per stage of
         one microbatch. A send occupies its sender (gloo, and the runtime's injected link
         delays): the link times are added to the sending stage's op, and the graph's own
         transfers take no time."""
         c = np.asarray(problem.c, dtype=float)
         n = len(c)
-        known = self.fwd_share is not None and len(self.fwd_share) == n
-        f_share = np.asarray(self.fwd_share, dtype=float) if known else np.full(n, FWD_SHARE)
-        w_known = known and self.wgrad_share is not None and len(self.wgrad_share) == n
-        w_share = np.asarray(self.wgrad_share, dtype=float) if w_known else (1 - f_share) / 2
+        fwd_share, wgrad_share = shares if shares is not None else (self.fwd_share, self.wgrad_share)
+        known = fwd_share is not None and len(fwd_share) == n
+        f_share = np.asarray(fwd_share, dtype=float) if known else np.full(n, FWD_SHARE)
+        w_known = known and wgrad_share is not None and len(wgrad_share) == n
+        w_share = np.asarray(wgrad_share, dtype=float) if w_known else (1 - f_share) / 2
         starts = np.asarray(layout.boundaries[:-1])
         speed = np.asarray(problem.s, dtype=float)[: layout.num_stages]
         fwd = np.add.reduceat(c * f_share, starts) / speed
