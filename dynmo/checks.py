@@ -16,7 +16,7 @@ from dynmo import hf_config, rundir
 from dynmo.config import Config, ConfigError, ModelConfig
 from dynmo.loop import check_balance
 from dynmo.model.families import check_block
-from dynmo.plan import DTYPES, explicit_layout, layer_names, num_layers, parse_relayouts, recompute_blocks, resolve_pp
+from dynmo.plan import DTYPES, UNITS, explicit_layout, layer_names, num_layers, parse_relayouts, recompute_blocks, resolve_pp
 from dynmo.schedules import TRAINABLE, ScheduleError, get_schedule
 
 MODEL_SHAPE_FIELDS = ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "mlp_ratio", "tie_embeddings")
@@ -57,6 +57,23 @@ CHECKPOINT_KEYS = {
 }
 
 
+def check_unit(cfg: Config) -> None:
+    """`parallel.unit`, and the dynamic models whose blocks cannot yet be placed as two halves."""
+    unit = cfg.parallel.unit
+    if unit not in UNITS:
+        raise ConfigError(f"parallel.unit = {unit!r}: choose one of {', '.join(UNITS)}")
+    if unit != "sublayer":
+        return
+    fix = "use parallel.unit = \"block\""
+    if cfg.model.block == "mod":
+        raise ConfigError("parallel.unit = \"sublayer\" does not split Mixture-of-Depths blocks (the block's routing "
+                          f"decision would have to travel from its attention half to its MLP half); {fix}")
+    for section, what in (("early_exit", "early exit"), ("prune", "pruning"), ("freeze", "freezing")):
+        if getattr(cfg, section).enabled:
+            raise ConfigError(f"parallel.unit = \"sublayer\" does not work with {what} yet ({section}.enabled = true): "
+                              f"its per-block state is kept per whole block; {fix}")
+
+
 def validate(cfg: Config, world: int) -> list[str]:
     """Raise ConfigError naming the problem and the fix. `world` = number of ranks.
 
@@ -86,6 +103,7 @@ def validate(cfg: Config, world: int) -> list[str]:
                           f"or use one of {', '.join(multi)}")
     if v < 1:
         raise ConfigError(f"parallel.virtual_stages must be >= 1, got {v}")
+    check_unit(cfg)
     stages = pp * v
     n = num_layers(cfg)
     if stages > n:

@@ -114,6 +114,9 @@ class ParallelConfig:
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved1f1b | interleavedzb | zbv
     virtual_stages: int = 1  # stages per rank for interleaved schedules (zbv needs 2)
     layout: str = "uniform"  # uniform | params | boundaries "0,4,8,10" | sizes "4+4+2"
+    # What the pipeline places: "block" (embedding, whole blocks, head) or "sublayer" (each
+    # block's attention half and MLP half are two units a stage boundary may fall between)
+    unit: str = "block"
     # Forced re-layouts: "STEP:LAYOUT" entries, applied before that step, e.g. "5:0,3,6,10".
     relayout: list[str] = field(default_factory=list)
     backend: str = "auto"  # auto (nccl with CUDA, else gloo) | gloo | nccl

@@ -11,9 +11,19 @@ from dynmo.config import Config, ConfigError
 from dynmo.layout import Layout, LayoutError
 
 
+UNITS = ("block", "sublayer")
+
+
 def num_layers(cfg: Config) -> int:
-    """Layers the pipeline moves: the embedding, the blocks, the head."""
-    return cfg.model.n_layers + 2
+    """Units the pipeline places ("layers" in layouts): the embedding, the blocks (each two
+    units, its attention and MLP halves, with `parallel.unit = "sublayer"`), the head."""
+    return cfg.model.n_layers * (2 if cfg.parallel.unit == "sublayer" else 1) + 2
+
+
+def unit_blocks(cfg: Config) -> list[int | None]:
+    """Per placement unit, the block it belongs to (None for the embedding and the head)."""
+    per = 2 if cfg.parallel.unit == "sublayer" else 1
+    return [None, *(b for b in range(cfg.model.n_layers) for _ in range(per)), None]
 
 
 def layer_names(cfg: Config) -> list[str]:

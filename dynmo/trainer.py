@@ -41,8 +41,10 @@ class Trainer:
         dist.broadcast_object_list(obj, src=0)
         self.data = TokenData.load(Path(obj[0]), cfg.model.seq_len, cfg.data.val_fraction, cfg.train.seed)
         num_stages = ctx.pp * cfg.parallel.virtual_stages
-        self.params = layer_param_counts(cfg.model)
+        self.params = layer_param_counts(cfg.model, cfg.parallel.unit)
         saved = checkpoint.read_meta(Path(cfg.checkpoint.resume)) if cfg.checkpoint.resume else {}
+        if saved.get("unit", "block") != cfg.parallel.unit:  # its layout and costs count other units
+            saved = {**saved, "layer_costs": None, "layout": None}
         self.saved_costs = saved.get("layer_costs")
         layout, rebalanced = plan.first_layout(cfg, num_stages, self.params, self.saved_costs, saved.get("layout"))
         self.pipe = Pipeline(cfg, ctx, layout)

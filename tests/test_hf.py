@@ -436,3 +436,23 @@ def test_dynmo_train_refuses_a_bad_hf_folder_before_torchrun(tmp_path, case, mes
     assert message in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1 and "torch.distributed" not in p.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("kind", ["llama", "mixtral"])
+def test_half_block_units_read_their_halves_of_the_checkpoint(hf_dirs, kind):
+    """With `parallel.unit = "sublayer"` each half block reads exactly its own tensors (strict
+    both ways) and the units compute what the whole blocks compute; the export gives back every
+    tensor under its Hugging Face name."""
+    cfg = resolved(hf_dirs[kind])
+    specs = layer_specs(cfg.model, "sublayer")
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with HFReader(hf_dirs[kind]) as reader:
+        whole = dynmo_layers(cfg, reader)
+        halves = []
+        for spec in specs:
+            halves.append(empty_layer(spec, cfg.model, "cpu"))
+            load_layer(halves[-1], spec, cfg.model, reader)
+        names = set(reader.keys())
+    with torch.no_grad():
+        assert torch.equal(forward(halves, tokens), forward(whole, tokens))
+    assert set(hf_state_dict(dict(enumerate(halves)), specs, cfg.model)) == names

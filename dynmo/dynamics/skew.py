@@ -3,7 +3,8 @@
 From `skew.start_step` on, the MLP of each listed block runs `skew.factor` times: the extra
 passes are real forward and backward work whose result is multiplied by zero (y + 0 * z == y),
 so the model's math is unchanged and only its cost moves. A forward hook on the block's `mlp`
-does it, so it works on every block that has one, on every path through the block.
+does it, so it works on every block that has one, on every path through the block (with
+`parallel.unit = "sublayer"`, on the block's MLP half).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class Skew(Case):
         want = {
             i: block.mlp
             for i, block in self.host.blocks().items()
-            if on and self.host.block_number(i) in self.opts.blocks and hasattr(block, "mlp")
+            if on and self.host.block_number(i) in self.opts.blocks and getattr(block, "mlp", None) is not None
         }
         for i, (mlp, handle) in list(self.hooked.items()):
             if want.get(i) is not mlp:  # switched off, or the layer left or was rebuilt by a migration

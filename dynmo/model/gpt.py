@@ -83,13 +83,30 @@ class MLP(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
-class SkipsInactive(nn.Module):
+class Halves:
+    """A block that can be placed as two units (`parallel.unit = "sublayer"`): its attention
+    half `attn_half` and its MLP half `mlp_half`, each `(x, mask) -> (x, mask)`; the whole
+    block is the one after the other, the same operations in the same order. `halves` names
+    the modules of each (`dynmo.model.layers.keep_half`); `part` is the half a split block
+    runs, None for a whole one."""
+
+    halves: tuple[tuple[str, ...], tuple[str, ...]]
+    part: str | None = None
+
+    def split_forward(self, x: torch.Tensor, mask: torch.Tensor):
+        """A half block's forward (`part` set)."""
+        return self.attn_half(x, mask) if self.part == "attn" else self.mlp_half(x, mask)
+
+
+class SkipsInactive(Halves, nn.Module):
     """A block that, with `skip_inactive` set, computes only the active tokens of a microbatch
     that has inactive ones (`active_forward`), else every token (`dense_forward`)."""
 
     skip_inactive = False
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor):
+        if self.part is not None:
+            return self.split_forward(x, mask)
         if self.skip_inactive and not bool(mask.all()):
             return self.active_forward(x, mask)[0], mask
         return self.dense_forward(x, mask)
@@ -110,6 +127,7 @@ class Block(SkipsInactive):
 
     prunable = ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")  # its Linears, for weight pruning
     mlp_units = ("mlp.fc", "mlp.proj")  # the MLP's in and out Linears, for structured pruning
+    halves = (("ln1", "attn"), ("ln2", "mlp"))
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -119,10 +137,15 @@ class Block(SkipsInactive):
         self.mlp = MLP(cfg)
         self.skip_inactive = False
 
+    def attn_half(self, x: torch.Tensor, mask: torch.Tensor):
+        return x + self.attn(self.ln1(x)), mask
+
+    def mlp_half(self, x: torch.Tensor, mask: torch.Tensor):
+        return x + self.mlp(self.ln2(x)), mask
+
     def dense_forward(self, x: torch.Tensor, mask: torch.Tensor):
         """The block on every token (mask passes through)."""
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x)), mask
+        return self.mlp_half(*self.attn_half(x, mask))
 
     def active_forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The block on the active tokens only; returns the new hidden state and the number of

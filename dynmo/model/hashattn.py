@@ -44,7 +44,7 @@ import torch.nn as nn
 
 from dynmo.config import HashAttnConfig, ModelConfig
 from dynmo.model import llama
-from dynmo.model.gpt import MLP, CausalSelfAttention
+from dynmo.model.gpt import MLP, CausalSelfAttention, Halves
 from dynmo.model.stats import StepStats
 
 HashAttnOptions = HashAttnConfig  # options live in the config ([model.hashattn])
@@ -158,8 +158,14 @@ class LlamaHashSparseAttention(llama.Attention):
         return self.out(y), info
 
 
-class HashStats(nn.Module):
-    """The stats every family's hash-attention block keeps, from its attention's `info`."""
+class HashStats(Halves, nn.Module):
+    """The stats every family's hash-attention block keeps, from its attention's `info` (in the
+    attention half), and the forward of the two halves."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor):
+        if self.part is not None:
+            return self.split_forward(x, mask)
+        return self.mlp_half(*self.attn_half(x, mask))
 
     def reset_stats(self) -> None:
         self._stats = StepStats()
@@ -193,12 +199,15 @@ class HashAttnBlock(HashStats):
         self.mlp = MLP(cfg)
         self.reset_stats()
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor):
+    halves = (("ln1", "attn"), ("ln2", "mlp"))
+
+    def attn_half(self, x: torch.Tensor, mask: torch.Tensor):
         a, info = self.attn(self.ln1(x))
-        x = x + a
-        x = x + self.mlp(self.ln2(x))
         self._stats.add(**info)
-        return x, mask
+        return x + a, mask
+
+    def mlp_half(self, x: torch.Tensor, mask: torch.Tensor):
+        return x + self.mlp(self.ln2(x)), mask
 
 
 class LlamaHashAttnBlock(HashStats):
@@ -215,9 +224,12 @@ class LlamaHashAttnBlock(HashStats):
         self.mlp = llama.SwiGLU(cfg)
         self.reset_stats()
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor):
+    halves = (("input_layernorm", "self_attn"), ("post_attention_layernorm", "mlp"))
+
+    def attn_half(self, x: torch.Tensor, mask: torch.Tensor):
         a, info = self.self_attn(self.input_layernorm(x))
-        x = x + a
-        x = x + self.mlp(self.post_attention_layernorm(x))
         self._stats.add(**info)
-        return x, mask
+        return x + a, mask
+
+    def mlp_half(self, x: torch.Tensor, mask: torch.Tensor):
+        return x + self.mlp(self.post_attention_layernorm(x)), mask

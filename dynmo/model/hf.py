@@ -137,6 +137,9 @@ def load_layer(layer: nn.Module, spec: LayerSpec, cfg: ModelConfig, reader: HFRe
                 (p[j] if stacked else p).copy_(reader.get(name))
                 used.append(name)
     prefixes = layer_prefixes(letter, block)
+    if spec.part:  # a half block: the tensors of its own modules (dynmo names them as the checkpoint does)
+        own = type(layer).halves[0 if spec.part == "attn" else 1]
+        prefixes = tuple(f"{p}{name}." for p in prefixes for name in own)
     mine = set(used)
     extra = [n for n in reader.keys()
              if n.startswith(prefixes) and n not in mine and not unused(n, cfg)]

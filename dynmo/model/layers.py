@@ -60,36 +60,66 @@ def family(cfg: ModelConfig) -> Family:
     return FAMILIES[cfg.family]
 
 
+PARTS = {"a": "attn", "m": "mlp"}  # unit letter -> the half of a block it is
+
+
 @dataclass(frozen=True)
 class LayerSpec:
-    """Everything needed to build layer `index` on any rank."""
+    """Everything needed to build placement unit `index` on any rank.
 
-    letter: str  # "E" (embedding) | "t" (transformer block) | "L" (head): how a layout prints it
-    index: int  # position in the model, 0 .. n_layers + 1
+    A unit is the embedding (E), a whole transformer block (t), one half of a block --
+    its attention half (a: norm, attention, residual add) or its MLP half (m: norm, MLP or
+    MoE, residual add) -- or the head (L). `layer` is the unit's position in the model's
+    layer list (E = 0, block b = b + 1, L = last), which seeds its weights: a block's halves
+    start from exactly the weights of the whole block. Default: `index` (whole blocks).
+    """
+
+    letter: str  # E | t | a | m | L: how a layout prints it
+    index: int  # position among the pipeline's units
+    layer: int = -1  # position in the model's layer list; -1: the same as index
+
+    @property
+    def model_index(self) -> int:
+        return self.index if self.layer < 0 else self.layer
 
     @property
     def is_block(self) -> bool:
-        return self.letter == "t"
+        """A whole transformer block or one of its halves."""
+        return self.letter in ("t", "a", "m")
+
+    @property
+    def part(self) -> str | None:
+        """"attn" or "mlp" for a half block, None for a whole unit."""
+        return PARTS.get(self.letter)
 
     @property
     def block(self) -> int | None:
         """0-based block number, None for the embedding and the head."""
-        return self.index - 1 if self.is_block else None
+        return self.model_index - 1 if self.is_block else None
 
     @property
-    def name(self) -> str:
-        """Stable name, used as checkpoint key prefix: embed, block0, block1, ..., head."""
+    def prefix(self) -> str:
+        """The model layer's stable name, the prefix of its parameters in checkpoints and
+        exports: embed, block0, ..., head (a half block's parameters keep the block's names)."""
         if self.letter == "E":
             return "embed"
         if self.letter == "L":
             return "head"
-        return f"block{self.index - 1}"
+        return f"block{self.block}"
+
+    @property
+    def name(self) -> str:
+        """The unit's stable name: the prefix, with _attn / _mlp for a half block."""
+        return self.prefix + (f"_{self.part}" if self.part else "")
 
 
-def layer_specs(cfg: ModelConfig) -> list[LayerSpec]:
-    return [LayerSpec("E", 0)] + [LayerSpec("t", i + 1) for i in range(cfg.n_layers)] + [
-        LayerSpec("L", cfg.n_layers + 1)
-    ]
+def layer_specs(cfg: ModelConfig, unit: str = "block") -> list[LayerSpec]:
+    """The pipeline's placement units in model order (`parallel.unit`)."""
+    n = cfg.n_layers
+    if unit == "sublayer":
+        halves = [LayerSpec(letter, 1 + 2 * b + k, b + 1) for b in range(n) for k, letter in enumerate("am")]
+        return [LayerSpec("E", 0)] + halves + [LayerSpec("L", 2 * n + 1, n + 1)]
+    return [LayerSpec("E", 0)] + [LayerSpec("t", i + 1) for i in range(n)] + [LayerSpec("L", n + 1)]
 
 
 def block_class(cfg: ModelConfig) -> type[nn.Module]:
@@ -110,7 +140,7 @@ def build_layer(spec: LayerSpec, cfg: ModelConfig, seed: int, device: torch.devi
     is built here too, from its own seed, so the head needs no other rank to get it.
     """
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed * 1_000_003 + spec.index)
+        torch.manual_seed(seed * 1_000_003 + spec.model_index)
         layer = layer_class(spec, cfg)(cfg)
         family(cfg).init_weights(layer, cfg)
     if cfg.tie_embeddings and spec.letter == "L":
@@ -129,17 +159,34 @@ def empty_layer(spec: LayerSpec, cfg: ModelConfig, device: torch.device | str) -
 
 
 def tag_layer(layer: nn.Module, spec: LayerSpec) -> nn.Module:
-    """Tell a block its number (0-based), for per-block options such as MoD capacities."""
+    """Tell a block its number (0-based), for per-block options such as MoD capacities; a half
+    block keeps only its half's modules (`keep_half`)."""
     if spec.is_block:
         layer.index = spec.block
+    if spec.part:
+        keep_half(layer, spec.part)
     return layer
+
+
+def keep_half(block: nn.Module, part: str) -> None:
+    """Make `block` one of its two placement units: the other half's modules are dropped, and
+    its forward runs `part`'s half only (the block class's `halves` name the modules of each:
+    attention half first, as the block registers them, so the parameters of the two halves in
+    order are the block's in order, under the same names)."""
+    halves = getattr(type(block), "halves", None)
+    if halves is None:
+        raise ValueError(f"{type(block).__name__} cannot be split into attention and MLP halves")
+    drop = halves[1] if part == "attn" else halves[0]
+    for name in drop:
+        setattr(block, name, None)
+    block.part = part
 
 
 def param_count(layer: nn.Module) -> int:
     return sum(p.numel() for p in layer.parameters())
 
 
-def layer_param_counts(cfg: ModelConfig) -> list[int]:
-    """Parameters per layer without allocating weights (built on the meta device)."""
+def layer_param_counts(cfg: ModelConfig, unit: str = "block") -> list[int]:
+    """Parameters per placement unit without allocating weights (built on the meta device)."""
     with torch.device("meta"):
-        return [param_count(layer_class(s, cfg)(cfg)) for s in layer_specs(cfg)]
+        return [param_count(tag_layer(layer_class(s, cfg)(cfg), s)) for s in layer_specs(cfg, unit)]

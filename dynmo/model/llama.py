@@ -165,6 +165,7 @@ class Block(SkipsInactive):
 
     prunable = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # its Linears, for weight pruning
+    halves = (("input_layernorm", "self_attn"), ("post_attention_layernorm", "mlp"))
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -174,10 +175,15 @@ class Block(SkipsInactive):
         self.mlp = SwiGLU(cfg)
         self.skip_inactive = False
 
+    def attn_half(self, x: torch.Tensor, mask: torch.Tensor):
+        return x + self.self_attn(self.input_layernorm(x)), mask
+
+    def mlp_half(self, x: torch.Tensor, mask: torch.Tensor):
+        return x + self.mlp(self.post_attention_layernorm(x)), mask
+
     def dense_forward(self, x: torch.Tensor, mask: torch.Tensor):
         """The block on every token (mask passes through)."""
-        x = x + self.self_attn(self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x)), mask
+        return self.mlp_half(*self.attn_half(x, mask))
 
     def active_forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The block on the active tokens only; returns the new hidden state and the number of

@@ -55,6 +55,8 @@ class SparseMoE(nn.Module):
 class Block(RoutedBlock):
     """Pre-norm decoder block whose MLP is a sparse MoE (t)."""
 
+    halves = (("input_layernorm", "self_attn"), ("post_attention_layernorm", "block_sparse_moe"))
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.opts = cfg.moe
@@ -64,9 +66,9 @@ class Block(RoutedBlock):
         self.block_sparse_moe = SparseMoE(cfg)
         self.reset_stats()
 
-    def forward_with_aux(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block's output and its (unweighted) load-balancing loss."""
-        x = x + self.self_attn(self.input_layernorm(x))
+    def attn_half(self, x: torch.Tensor, mask: torch.Tensor):
+        return x + self.self_attn(self.input_layernorm(x)), mask
+
+    def moe_branch(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         moe = self.block_sparse_moe
-        y, aux = sparse_mlp(self.post_attention_layernorm(x), mask, moe.gate, moe.experts, self.opts, self._stats)
-        return x + y, aux
+        return sparse_mlp(self.post_attention_layernorm(x), mask, moe.gate, moe.experts, self.opts, self._stats)

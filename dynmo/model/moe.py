@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from dynmo.config import MoEConfig, ModelConfig
 from dynmo.model.aux_loss import attach_aux_loss
-from dynmo.model.gpt import CausalSelfAttention
+from dynmo.model.gpt import CausalSelfAttention, Halves
 from dynmo.model.stats import StepStats
 
 MoEOptions = MoEConfig  # options live in the config ([model.moe])
@@ -193,9 +193,11 @@ def sparse_mlp(h: torch.Tensor, mask: torch.Tensor, router: nn.Module, experts: 
     return y.view(B, T, D), aux
 
 
-class RoutedBlock(nn.Module):
+class RoutedBlock(Halves, nn.Module):
     """What every MoE block shares: its step statistics and its aux loss carried into backward.
-    A subclass sets `opts` (MoEConfig) and defines `forward_with_aux(x, mask) -> (x, aux)`."""
+    A subclass sets `opts` (MoEConfig) and defines `attn_half(x, mask) -> (x, mask)` and
+    `moe_branch(x, mask) -> (y, aux)` (the MoE's output for the residual stream x, and its
+    unweighted load-balancing loss). The MLP half adds y to x and carries aux into backward."""
 
     opts: MoEOptions
 
@@ -206,13 +208,26 @@ class RoutedBlock(nn.Module):
     def last_stats(self) -> dict:
         return routing_summary(self._stats)
 
+    def mlp_half(self, x: torch.Tensor, mask: torch.Tensor):
+        y, aux = self.moe_branch(x, mask)
+        return attach_aux_loss(x + y, aux, self.opts.aux_loss_coef), mask
+
     def forward(self, x: torch.Tensor, mask: torch.Tensor):
-        x, aux = self.forward_with_aux(x, mask)
-        return attach_aux_loss(x, aux, self.opts.aux_loss_coef), mask
+        if self.part is not None:
+            return self.split_forward(x, mask)
+        return self.mlp_half(*self.attn_half(x, mask))
+
+    def forward_with_aux(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's output and its (unweighted) load-balancing loss, for single-process use."""
+        x = self.attn_half(x, mask)[0]
+        y, aux = self.moe_branch(x, mask)
+        return x + y, aux
 
 
 class MoEBlock(RoutedBlock):
     """Pre-norm block whose MLP is a sparse MoE (see module docstring)."""
+
+    halves = (("ln1", "attn"), ("ln2", "moe"))
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -223,8 +238,8 @@ class MoEBlock(RoutedBlock):
         self.moe = MoELayer(cfg.d_model, cfg.mlp_ratio * cfg.d_model, self.opts, cfg.dropout)
         self.reset_stats()
 
-    def forward_with_aux(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block's output and its (unweighted) load-balancing loss, for single-process use."""
-        x = x + self.attn(self.ln1(x))
-        y, aux = sparse_mlp(self.ln2(x), mask, self.moe.router, self.moe.experts, self.opts, self._stats)
-        return x + y, aux
+    def attn_half(self, x: torch.Tensor, mask: torch.Tensor):
+        return x + self.attn(self.ln1(x)), mask
+
+    def moe_branch(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return sparse_mlp(self.ln2(x), mask, self.moe.router, self.moe.experts, self.opts, self._stats)

@@ -32,11 +32,17 @@ from dynmo.runtime import faults, optim, safeload
 from dynmo.runtime.pipeline import Pipeline
 
 
+def layer_names(pipe: Pipeline) -> list[str]:
+    """The model's layers (embed, block0, ..., head): what a checkpoint's keys are prefixed with,
+    whatever the placement units (a block split in halves keeps its parameters' names)."""
+    return list(dict.fromkeys(s.prefix for s in pipe.specs))
+
+
 def _key(pipe: Pipeline, index: int, pname: str) -> str:
     """`{layer}.{param}`; the head's copy of a tied embedding is keyed as the embedding's tensor."""
     if pipe.tie is not None:
         index, pname = pipe.tie.stored_as(index, pname)
-    return f"{pipe.specs[index].name}.{pname}"
+    return f"{pipe.specs[index].prefix}.{pname}"
 
 
 def _state_dict(pipe: Pipeline, with_optim: bool) -> dict[str, torch.Tensor]:
@@ -114,7 +120,8 @@ def save(pipe: Pipeline, path: Path, step: int, cfg: Config, cases: dict | None 
                 "step": step,
                 "model": cfg.to_dict()["model"],
                 "layout": list(pipe.layout.boundaries),
-                "layer_names": [s.name for s in pipe.specs],
+                "layer_names": layer_names(pipe),
+                "unit": pipe.cfg.parallel.unit,  # what "layout" and "layer_costs" count
                 "has_optimizer_state": bool(flag.item()),
                 "seed": cfg.train.seed,
                 "cases": cases or {},  # the dynamic-model cases' own state (dynmo.dynamics.case)
@@ -190,8 +197,8 @@ def read_meta(path: Path) -> dict:
 def load(pipe: Pipeline, path: Path) -> int:
     """Load this rank's layers (and their AdamW state) from `path`; returns the step to resume at."""
     meta = read_meta(path)
-    if meta["layer_names"] != [s.name for s in pipe.specs]:
-        raise ValueError(f"checkpoint {path} has layers {meta['layer_names']}, the model has {[s.name for s in pipe.specs]}")
+    if meta["layer_names"] != layer_names(pipe):
+        raise ValueError(f"checkpoint {path} has layers {meta['layer_names']}, the model has {layer_names(pipe)}")
     tied = bool(meta["model"].get("tie_embeddings", False))
     if tied != pipe.cfg.model.tie_embeddings:
         raise ValueError(f"checkpoint {path} was saved with model.tie_embeddings = {str(tied).lower()}; "

@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from dynmo.config import ModelConfig
+from dynmo.model.layers import LayerSpec, layer_class, tag_layer
 from dynmo.runtime import optim
 from dynmo.runtime.dist import DistContext
 
@@ -48,17 +50,66 @@ def sync_data_parallel(layers: dict[int, nn.Module], ctx: DistContext) -> None:
         off += g.numel()
 
 
-def clip_grads(layers: dict[int, nn.Module], num_layers: int, tie, ctx: DistContext, max_norm: float) -> tuple[float, float]:
+class NormSlots:
+    """Where the squared gradient norms of the placement units go, so that the norm is summed
+    per model layer (embedding, block, head) whatever the units: a whole unit's norm is its
+    layer's (`optim.layer_sq_norm`); the two halves of a split block send each parameter's
+    squared norm to its slot, and the block's is summed from them in the whole block's
+    parameter order (attention half first), as `optim.layer_sq_norm` sums a whole block's.
+    Built alike on every rank, from the units' specs."""
+
+    def __init__(self, specs: list[LayerSpec], model: ModelConfig):
+        self.unit_layer = [s.model_index for s in specs]
+        self.num_layers = self.unit_layer[-1] + 1 if specs else 0
+        self.split = any(s.part for s in specs)
+        self.slots: dict[int, dict[str, int]] = {}  # split unit -> {parameter: slot}
+        if self.split:
+            with torch.device("meta"):
+                for i, spec in enumerate(specs):
+                    names = [n for n, _ in tag_layer(layer_class(spec, model)(model), spec).named_parameters()]
+                    base = sum(len(v) for v in self.slots.values())
+                    self.slots[i] = {n: base + k for k, n in enumerate(names)}
+        self.size = sum(len(v) for v in self.slots.values())
+
+    def layer_norms(self, layers: dict[int, nn.Module], tie, device: torch.device) -> torch.Tensor:
+        """This rank's part of the per-model-layer squared norms; with split units, the
+        per-parameter squared norms and whether each is present, appended (summed over the
+        pipeline ranks, then folded by `fold`)."""
+        sq = torch.zeros(self.num_layers + 2 * self.size, dtype=torch.float32, device=device)
+        for i, layer in layers.items():
+            skip = tie.norm_skip(i) if tie is not None else ()
+            if i not in self.slots:
+                sq[self.unit_layer[i]] = optim.layer_sq_norm(layer, skip).to(device)
+                continue
+            for n, p in layer.named_parameters():
+                if p.grad is not None and n not in skip:
+                    k = self.num_layers + 2 * self.slots[i][n]
+                    sq[k] = p.grad.detach().float().pow(2).sum().to(device)
+                    sq[k + 1] = 1.0
+        return sq
+
+    def fold(self, sq: torch.Tensor) -> torch.Tensor:
+        """The per-model-layer squared norms of the summed `layer_norms`."""
+        out = sq[: self.num_layers].clone()
+        per_layer: dict[int, list[torch.Tensor]] = {}
+        for i, slots in self.slots.items():  # unit order: a block's attention half first
+            for k in slots.values():
+                k = self.num_layers + 2 * k
+                if sq[k + 1] > 0:
+                    per_layer.setdefault(self.unit_layer[i], []).append(sq[k])
+        for layer, norms in per_layer.items():
+            out[layer] = torch.stack(norms).sum()
+        return out
+
+
+def clip_grads(layers: dict[int, nn.Module], slots: NormSlots, tie, ctx: DistContext, max_norm: float) -> tuple[float, float]:
     """(the whole model's gradient norm, the clipping scale applied). `tie`: the tied
     embeddings' bookkeeping, or None (a tied tensor counts once)."""
-    sq = torch.zeros(num_layers, dtype=torch.float32, device=ctx.device)
-    for i, layer in layers.items():
-        skip = tie.norm_skip(i) if tie is not None else ()
-        sq[i] = optim.layer_sq_norm(layer, skip).to(ctx.device)
+    sq = slots.layer_norms(layers, tie, ctx.device)
     if ctx.pp > 1:
         # each entry is non-zero on exactly one rank, so the sum is exact
         dist.all_reduce(sq, group=ctx.pp_group)
-    total, scale = optim.clip_coefficient(sq.cpu(), max_norm)
+    total, scale = optim.clip_coefficient(slots.fold(sq.cpu()), max_norm)
     if scale != 1.0:
         for g in local_grads(layers):
             g.mul_(scale)

@@ -59,7 +59,7 @@ def compute_dtype(cfg: Config) -> torch.dtype:
 class Pipeline:
     def __init__(self, cfg: Config, ctx: DistContext, layout: Layout):
         self.cfg, self.ctx = cfg, ctx
-        self.specs: list[LayerSpec] = layer_specs(cfg.model)
+        self.specs: list[LayerSpec] = layer_specs(cfg.model, cfg.parallel.unit)
         self.schedule_info = get_schedule(cfg.parallel.schedule)
         self.num_stages = ctx.pp * cfg.parallel.virtual_stages
         self.placement = stage_to_rank(self.num_stages, ctx.pp, self.schedule_info.placement)
@@ -69,7 +69,9 @@ class Pipeline:
         self.microbatch = cfg.train.global_batch // ctx.dp // cfg.train.microbatches
         # numerics and memory, per layer wherever it sits (dynmo.runtime.stage)
         self.dtype = compute_dtype(cfg)
-        self.recompute = frozenset(b + 1 for b in plan.recompute_blocks(cfg))  # layer indices
+        blocks = set(plan.recompute_blocks(cfg))
+        self.recompute = frozenset(i for i, sp in enumerate(self.specs) if sp.block in blocks)  # unit indices
+        self.norm_slots = grads.NormSlots(self.specs, cfg.model)  # the gradient norm per model layer
         self.memory = PeakMemory(ctx.device)
         self.released = False  # set when a re-pack took all this rank's layers away
         self.hf_read: tuple[int, int] | None = None  # tensors and bytes read from model.hf_path
@@ -150,7 +152,7 @@ class Pipeline:
         if self.tie is not None:  # both copies of a tied embedding get g_E + g_L
             self.tie.sum_grads(self.layers)
         grads.sync_data_parallel(self.layers, self.ctx)
-        grad_norm, _ = grads.clip_grads(self.layers, len(self.specs), self.tie, self.ctx, self.cfg.train.grad_clip)
+        grad_norm, _ = grads.clip_grads(self.layers, self.norm_slots, self.tie, self.ctx, self.cfg.train.grad_clip)
         lr = optim.lr_at(step, self.cfg.train)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
