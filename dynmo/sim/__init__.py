@@ -23,8 +23,8 @@ _WHERE = {
                      "ring_allreduce_time", "simulate", "simulate_plan"), "dynmo.sim.engine"),
     **dict.fromkeys(("SCHEDULES", "Op", "Plan", "ScheduleError", "build_plan"), "dynmo.sim.schedules"),
     "stage_times": "dynmo.sim.stages",
-    **dict.fromkeys(("Trace", "TraceError", "TraceHeader", "TraceStep", "TraceWriter", "load_trace", "scale_trace",
-                     "trace_from_metrics"), "dynmo.sim.trace"),
+    **dict.fromkeys(("Trace", "TraceError", "TraceHeader", "TraceStep", "TraceWriter", "load_trace", "merge_units",
+                     "scale_trace", "trace_from_metrics"), "dynmo.sim.trace"),
 }
 __all__ = sorted(_WHERE)
 

@@ -12,6 +12,7 @@ from dynmo.jsonio import is_int, is_number
 from dynmo.loop import BYTES_PER_PARAM
 from dynmo.record import StepRecord
 from dynmo.sim.trace import limits
+from dynmo.sim.trace.kinds import PER_BLOCK, SUBLAYER, UNITS, unit_kinds, unit_names, unit_of
 from dynmo.sim.trace.limits import TraceError
 from dynmo.sim.trace.values import finite, int_field, ints, length, show, times
 
@@ -21,8 +22,8 @@ VERSION = 1
 
 @dataclass
 class TraceHeader:
-    layers: list[str]  # layer names: embed, block0, ..., head
-    kinds: list[str]  # E, t, ..., L
+    layers: list[str]  # unit names: embed, block0, ..., head (block0_attn, block0_mlp, ... with sublayer units)
+    kinds: list[str]  # E, t, ..., L (E, a, m, ..., L with sublayer units)
     params: list[int]  # parameters per layer
     layer_bytes: list[int]  # bytes that move with a migrating layer (BYTES_PER_PARAM x params)
     microbatches: int  # per replica per step
@@ -33,7 +34,7 @@ class TraceHeader:
     tokens_per_microbatch: int | None = None  # sequences per microbatch x seq_len
     case: str = "dense"  # dynamic-model case(s): dense, moe, mod, hashattn, skew, prune, ...
     config: dict = field(default_factory=dict)  # summary of the run's config
-    source: str = "train"  # train | metrics (converted) | scaled
+    source: str = "train"  # train | metrics (converted) | scaled | merged (sublayer units summed into blocks)
 
     @property
     def num_layers(self) -> int:
@@ -72,9 +73,10 @@ class TraceHeader:
         if not all(isinstance(x, str) for x in self.layers):
             raise TraceError(f"{where}: layers must be a list of layer names (strings)")
         if not isinstance(self.kinds, list) or not all(isinstance(x, str) for x in self.kinds):
-            raise TraceError(f"{where}: kinds must be a list of strings (E, t, L)")
+            raise TraceError(f"{where}: kinds must be a list of strings (E, t, L or E, a, m, L)")
         if len(self.kinds) != n:
             raise TraceError(f"trace header: kinds has {len(self.kinds)} entries for {n} layers")
+        unit_of(self.kinds, where)
         ints("params", self.params, n, where)
         ints("layer_bytes", self.layer_bytes, n, where)
         int_field("microbatches", self.microbatches, 1, limits.MAX_MICROBATCHES, where)
@@ -96,18 +98,26 @@ class TraceHeader:
 
     @classmethod
     def from_config(cls, cfg: dict, params: Iterable[int], pp: int, dp: int, source: str = "train") -> "TraceHeader":
-        """Header for a run of config `cfg` (a `Config.to_dict()` or a parsed config.toml)."""
+        """Header for a run of config `cfg` (a `Config.to_dict()` or a parsed config.toml), whose
+        pipeline places `parallel.unit` units: `params` has one count per unit."""
         model, train, par = cfg.get("model", {}), cfg.get("train", {}), cfg.get("parallel", {})
         n_blocks = int(model.get("n_layers", 0))
+        unit = par.get("unit", "block")
+        if unit not in UNITS:
+            raise TraceError(f"parallel.unit must be one of {', '.join(UNITS)}, got {show(unit)}")
         params = [int(p) for p in params]
-        if len(params) != n_blocks + 2:
+        n = PER_BLOCK[unit] * n_blocks + 2
+        if len(params) != n:
+            if unit == SUBLAYER:
+                raise TraceError(f"{len(params)} parameter counts for {n} units (E, {n_blocks} blocks as "
+                                 "attention and MLP halves, L)")
             raise TraceError(f"{len(params)} parameter counts for {n_blocks + 2} layers (E, {n_blocks} blocks, L)")
         m = int(train.get("microbatches", 1))
         gb = int(train.get("global_batch", 0))
         tokens = gb // max(1, dp * m) * int(model.get("seq_len", 0)) if gb else None
         return cls(
-            layers=["embed"] + [f"block{i}" for i in range(n_blocks)] + ["head"],
-            kinds=["E"] + ["t"] * n_blocks + ["L"],
+            layers=unit_names(n_blocks, unit),
+            kinds=unit_kinds(n_blocks, unit),
             params=params,
             layer_bytes=[BYTES_PER_PARAM * p for p in params],
             microbatches=m,

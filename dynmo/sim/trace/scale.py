@@ -9,6 +9,7 @@ import numpy as np
 from dynmo.jsonio import is_int, is_number
 from dynmo.sim.trace import limits
 from dynmo.sim.trace.costs import Trace
+from dynmo.sim.trace.kinds import BLOCK, SUBLAYER, block_groups, unit_kinds, unit_names
 from dynmo.sim.trace.limits import TraceError, check_size
 from dynmo.sim.trace.values import finite, show
 
@@ -33,13 +34,24 @@ def scale_trace(trace: Trace, blocks: int, *, cost_scale: float = 1.0, params_sc
     not move in lockstep (real MoE blocks route independently). Parameters and migration
     bytes follow the same block map (x params_scale). Layouts of the traced run are dropped
     (they were for another depth); events are kept, so dynamism steps stay where they were.
+
+    A trace of sublayer units (E, a m per block, L) scales the same way with the attention
+    halves and the MLP halves as two separate series of b: each keeps its own mean per step,
+    so the attention/MLP split of the traced run is kept. New block j's two halves both come
+    from source block floor(j * b / blocks) and share its noise factor (the same draws as
+    whole blocks get), so the result is E, a m per new block, L with names block{j}_attn,
+    block{j}_mlp.
     """
     h = trace.header
     if not is_int(blocks) or blocks < 1:
         raise TraceError(f"blocks must be an integer >= 1, got {show(blocks)}")
-    if blocks + 2 > limits.MAX_LAYERS:
-        raise TraceError(f"{blocks} blocks + 2 layers is over the limit MAX_LAYERS = {limits.MAX_LAYERS}")
-    check_size(len(trace.steps), blocks + 2, f"the trace scaled to {blocks} blocks")
+    groups = block_groups(h.kinds, "scale_trace")
+    unit = BLOCK if len(groups) == 1 else SUBLAYER
+    units = len(groups) * blocks + 2
+    if units > limits.MAX_LAYERS:
+        what = f"{blocks} blocks + 2 layers" if unit == BLOCK else f"{blocks} blocks ({units} units)"
+        raise TraceError(f"{what} is over the limit MAX_LAYERS = {limits.MAX_LAYERS}")
+    check_size(len(trace.steps), units, f"the trace scaled to {blocks} blocks")
     for name, v, hi in (("cost_scale", cost_scale, None), ("params_scale", params_scale, None),
                         ("noise", noise, limits.MAX_NOISE)):
         if not is_number(v) or not finite(v) or v < 0 or (name != "noise" and v == 0) or (hi and v > hi):
@@ -48,12 +60,9 @@ def scale_trace(trace: Trace, blocks: int, *, cost_scale: float = 1.0, params_sc
     if max(max(h.params), max(h.layer_bytes)) * params_scale > limits.MAX_COUNT:
         raise TraceError(f"params_scale = {params_scale:g} makes a layer's parameters or bytes exceed 2^53; "
                          "use a smaller params_scale")
-    kinds = h.kinds
-    block_idx = [i for i, k in enumerate(kinds) if k == "t"]
-    if not block_idx or kinds[0] != "E" or kinds[-1] != "L" or len(block_idx) != len(kinds) - 2:
-        raise TraceError("scale_trace needs a trace of E, t..., L layers")
-    b = len(block_idx)
-    src = np.asarray(block_idx)[block_map(b, blocks)]
+    b = len(groups[0])
+    srcs = [np.asarray(g)[block_map(b, blocks)] for g in groups]
+    src = np.stack(srcs, axis=1).ravel()  # source unit of each new unit, in model order
     rng = np.random.default_rng(seed)
     steps = []
     for s in trace.steps:
@@ -68,10 +77,7 @@ def scale_trace(trace: Trace, blocks: int, *, cost_scale: float = 1.0, params_sc
             if a is None:
                 new.append(None)
                 continue
-            nb = a[src] * factor
-            want = a[block_idx].sum() * blocks / b
-            have = nb.sum()
-            nb = nb * (want / have) if have > 0 else nb
+            nb = np.stack([rescaled(a, g, sg, factor, blocks, b) for g, sg in zip(groups, srcs)], axis=1).ravel()
             new.append(np.concatenate(([a[0]], nb, [a[-1]])) * cost_scale)
         if new[2] is not None:
             new[2] = np.minimum(new[2], new[1])
@@ -89,7 +95,16 @@ def scale_trace(trace: Trace, blocks: int, *, cost_scale: float = 1.0, params_sc
     config = dict(h.config)
     config["scaled"] = {"from_blocks": b, "blocks": blocks, "cost_scale": cost_scale,
                         "params_scale": params_scale, "noise": noise, "seed": seed}
-    header = replace(h, layers=["embed"] + [f"block{j}" for j in range(blocks)] + ["head"],
-                     kinds=["E"] + ["t"] * blocks + ["L"], params=params, layer_bytes=lbytes,
-                     config=config, source="scaled")
+    header = replace(h, layers=unit_names(blocks, unit), kinds=unit_kinds(blocks, unit), params=params,
+                     layer_bytes=lbytes, config=config, source="scaled")
     return Trace(header, steps)
+
+
+def rescaled(a: np.ndarray, group: list[int], src: np.ndarray, factor: np.ndarray, blocks: int, b: int) -> np.ndarray:
+    """One step's new costs of one series of units (whole blocks, or the attention or the MLP
+    halves): the source units' costs x `factor`, rescaled so that their sum is the traced
+    series' sum x blocks / b; an all-zero series stays zero."""
+    nb = a[src] * factor
+    want = a[group].sum() * blocks / b
+    have = nb.sum()
+    return nb * (want / have) if have > 0 else nb
