@@ -20,7 +20,7 @@ from dynmo.sim.trace import (
 from dynmo.sim.trace.kinds import unit_kinds, unit_names
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACES = sorted((ROOT / "docs" / "bench" / "traces").glob("*.jsonl"))
+TRACES = sorted((ROOT / "docs" / "bench" / "traces").rglob("*.jsonl"))
 
 
 def config(blocks: int, unit: str = SUBLAYER) -> dict:
