@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     for unit in UNITS:
         tps = statistics.median(throughput(r) for r in runs[unit])
         migs = statistics.median(migrations(r) for r in runs[unit])
-        print(f"| {unit} | {tps:,.0f} | {migs:g} | {runs[unit][-1][-1]['layout_str']} |")
+        layout = runs[unit][-1][-1]["layout_str"].replace("|", "\\|")  # a stage boundary, not a column
+        print(f"| {unit} | {tps:,.0f} | {migs:g} | {layout} |")
     med, low, high, cover = median_interval(ratios)
     print(f"\nsublayer / block, {len(ratios)} pairs: median {med:.3f}, interval [{low:.3f}, {high:.3f}] "
           f"({cover:.0%} coverage): {verdict(low, high)}")
