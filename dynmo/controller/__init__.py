@@ -69,8 +69,9 @@ The decision, step by step (`Controller.decide`), each step in its own module:
   re-pack   the fewest workers within tolerance, once the model shrank (`repack`)
   propose   the balancer's layout for the forecast, worth its margin and its migration
   evidence  `auto`: the gain significant on the observed steps, then on fresh steps (`evidence`)
-The step-time model (`steptime`) and the migration cost model (`migration`) are what every
-step compares with.
+The step-time model (`steptime`), how the controller scores layouts with it on the forecast
+and on each observed step (`scoring`), and the migration cost model (`migration`) are what
+every step compares with.
 """
 
 from dynmo.controller.core import CONFIRM, JUDGE, Controller, Decision

@@ -17,7 +17,8 @@ from dynmo.controller.evidence import CONFIRM
 from dynmo.controller.judge import JUDGE, Judge
 from dynmo.controller.migration import MIGRATION_BANDWIDTH, MIGRATION_FIXED_S
 from dynmo.controller.repack import repack
-from dynmo.controller.steptime import StepModel, positions_problem
+from dynmo.controller.scoring import HistoryTimes, Scoring
+from dynmo.controller.steptime import StepModel
 from dynmo.layout import Layout
 
 __all__ = ["CONFIRM", "JUDGE", "Controller", "Decision"]
@@ -38,7 +39,7 @@ class Decision:
 
 
 @dataclass
-class Controller:
+class Controller(Scoring):
     """The decision core: a forecast of per-layer cost and the triggers of `dynmo.controller`.
     `cfg` holds the knobs (`[balance]`: when, every, balancer, window, min_gain, horizon, repack,
     repack_tolerance, memory_gb)."""
@@ -68,13 +69,8 @@ class Controller:
     proposal: tuple | None = None  # (layout boundaries, observed steps then): a move awaiting fresh evidence
     observed: int = 0  # steps observed
     searched: Layout | None = None  # the last local search's best layout, a candidate until the next search
-    # predicted step times on the history's steps, {step's costs: {layout boundaries: seconds}}:
-    # the evidence reads every step of the history each decision, and each (step, layout) pair
-    # is simulated once, with the forward/backward split measured on that step (`_shares`);
-    # `_cache_key` is what else the times depend on (the cache is emptied when it changes)
-    _times: dict = field(default_factory=dict, init=False, repr=False)
-    _shares: dict = field(default_factory=dict, init=False, repr=False)
-    _cache_key: tuple = field(default=(), init=False, repr=False)
+    # the history's steps' predicted step times, each (step, layout) simulated once
+    cache: HistoryTimes = field(default_factory=HistoryTimes, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.cfg.window < 1:
@@ -98,7 +94,7 @@ class Controller:
         """One step's per-layer costs, and, if known, its measured step time and the layout it
         ran on. `changed`: the model changed in this step (a dynamism event)."""
         self.history.append(list(layer_costs))
-        self._shares[tuple(self.history[-1])] = (self.model.fwd_share, self.model.wgrad_share)
+        self.cache.measured(self.history[-1], (self.model.fwd_share, self.model.wgrad_share))
         self.observed += 1
         if len(self.history) >= self.cfg.window:
             self.peak_total = max(self.peak_total, sum(self.forecast()))
@@ -133,30 +129,6 @@ class Controller:
 
     def migration_cost(self, layer_bytes: list[int], current: Layout, new: Layout) -> float:
         return migration.migration_cost(self.fixed_s, self.bandwidth, layer_bytes, current, new)
-
-    def step_s(self, problem: Problem, layout: Layout) -> float:
-        """Predicted step time of `layout` under `problem`'s costs: the running schedule, simulated."""
-        return self.model.step_s(problem, layout, self.microbatches)
-
-    def steps_s(self, problem: Problem, layouts: list[Layout]) -> list[float]:
-        """`step_s` of each of `layouts` under one problem, simulated together."""
-        return self.model.steps_s([problem] * len(layouts), layouts, self.microbatches).tolist()
-
-    def _steps_under(self, steps: list[list[float]], layouts: list[Layout],
-                     shares: list[tuple | None] | None = None) -> list[float]:
-        """Predicted step time of each layout under the per-layer costs of its step (pairwise),
-        split forward/backward by `shares` (per pair; default the latest measured)."""
-        problems = [self.problem(costs, lay.num_stages, lay) for costs, lay in zip(steps, layouts)]
-        return self.model.steps_s(problems, layouts, self.microbatches, shares).tolist()
-
-    def _step_under(self, costs: list[float], layout: Layout) -> float:
-        """Predicted step time of `layout` under one step's per-layer costs."""
-        return self._steps_under([costs], [layout])[0]
-
-    def problem(self, costs: list[float], stages: int, current: Layout | None = None) -> Problem:
-        """The balancing problem for the first `stages` pipeline positions."""
-        return positions_problem(costs, stages, current, self.speeds, self.transfer, self.transfer_back,
-                                 self.memory if self.capacity else None, self.capacity or None)
 
     def decide(self, step: int, current: Layout, layer_bytes: list[int], steps_left: int) -> Decision | None:
         """judge -> trigger -> forecast -> re-pack -> propose (with `auto`'s evidence)."""
@@ -236,30 +208,6 @@ class Controller:
         self.left[current.boundaries] = step
         self.judge.expect(current, d.layout, d.released > 0)
         return d
-
-    def per_step_gains(self, current: Layout, new: Layout) -> list[float]:
-        """Per observed step: the relative step-time saving of `new` over `current` (oldest first)."""
-        old_t, new_t = self.history_times([current, new])
-        return evidence.gains(old_t, new_t)
-
-    def history_times(self, layouts: list[Layout]) -> list[list[float]]:
-        """Per layout: its predicted step time under each step of the history (oldest first).
-        Each (step, layout) pair is simulated once while the step stays in the history; the
-        missing ones are simulated together."""
-        key = tuple(tuple(x) if x is not None else None
-                    for x in (self.speeds, self.transfer, self.transfer_back)) + (self.microbatches,)
-        steps = [tuple(c) for c in self.history]
-        if key != self._cache_key:
-            self._times, self._cache_key = {}, key
-        self._times = {c: self._times.get(c, {}) for c in steps}  # forget steps that left the history
-        self._shares = {c: self._shares[c] for c in steps if c in self._shares}
-        todo = [(c, lay) for lay in layouts for c in dict.fromkeys(steps) if lay.boundaries not in self._times[c]]
-        if todo:
-            times = self._steps_under([list(c) for c, _ in todo], [lay for _, lay in todo],
-                                      [self._shares.get(c) for c, _ in todo])
-            for (c, lay), t in zip(todo, times):
-                self._times[c][lay.boundaries] = t
-        return [[self._times[c][lay.boundaries] for c in steps] for lay in layouts]
 
     def _judge_last_migration(self, current: Layout, layer_bytes: list[int], steps_left: int) -> Decision | None:
         """A migration that lost doubles the margin; a rebalance that lost is undone and its
