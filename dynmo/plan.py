@@ -20,12 +20,6 @@ def num_layers(cfg: Config) -> int:
     return cfg.model.n_layers * (2 if cfg.parallel.unit == "sublayer" else 1) + 2
 
 
-def unit_blocks(cfg: Config) -> list[int | None]:
-    """Per placement unit, the block it belongs to (None for the embedding and the head)."""
-    per = 2 if cfg.parallel.unit == "sublayer" else 1
-    return [None, *(b for b in range(cfg.model.n_layers) for _ in range(per)), None]
-
-
 def layer_names(cfg: Config) -> list[str]:
     """The layers' names in model order (checkpoint key prefixes): embed, block0, ..., head.
     The same names as `dynmo.model.layers.LayerSpec.name`, without importing torch."""

@@ -93,9 +93,16 @@ class Halves:
     halves: tuple[tuple[str, ...], tuple[str, ...]]
     part: str | None = None
 
-    def split_forward(self, x: torch.Tensor, mask: torch.Tensor):
-        """A half block's forward (`part` set)."""
-        return self.attn_half(x, mask) if self.part == "attn" else self.mlp_half(x, mask)
+    def forward(self, x: torch.Tensor, mask: torch.Tensor):
+        if self.part == "attn":
+            return self.attn_half(x, mask)
+        if self.part == "mlp":
+            return self.mlp_half(x, mask)
+        return self.dense_forward(x, mask)
+
+    def dense_forward(self, x: torch.Tensor, mask: torch.Tensor):
+        """The whole block on every token: its attention half, then its MLP half."""
+        return self.mlp_half(*self.attn_half(x, mask))
 
 
 class SkipsInactive(Halves, nn.Module):
@@ -105,11 +112,9 @@ class SkipsInactive(Halves, nn.Module):
     skip_inactive = False
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor):
-        if self.part is not None:
-            return self.split_forward(x, mask)
-        if self.skip_inactive and not bool(mask.all()):
+        if self.part is None and self.skip_inactive and not bool(mask.all()):
             return self.active_forward(x, mask)[0], mask
-        return self.dense_forward(x, mask)
+        return super().forward(x, mask)
 
 
 class Block(SkipsInactive):
@@ -143,9 +148,6 @@ class Block(SkipsInactive):
     def mlp_half(self, x: torch.Tensor, mask: torch.Tensor):
         return x + self.mlp(self.ln2(x)), mask
 
-    def dense_forward(self, x: torch.Tensor, mask: torch.Tensor):
-        """The block on every token (mask passes through)."""
-        return self.mlp_half(*self.attn_half(x, mask))
 
     def active_forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The block on the active tokens only; returns the new hidden state and the number of

@@ -160,12 +160,7 @@ class LlamaHashSparseAttention(llama.Attention):
 
 class HashStats(Halves, nn.Module):
     """The stats every family's hash-attention block keeps, from its attention's `info` (in the
-    attention half), and the forward of the two halves."""
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor):
-        if self.part is not None:
-            return self.split_forward(x, mask)
-        return self.mlp_half(*self.attn_half(x, mask))
+    attention half)."""
 
     def reset_stats(self) -> None:
         self._stats = StepStats()

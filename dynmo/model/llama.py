@@ -181,9 +181,6 @@ class Block(SkipsInactive):
     def mlp_half(self, x: torch.Tensor, mask: torch.Tensor):
         return x + self.mlp(self.post_attention_layernorm(x)), mask
 
-    def dense_forward(self, x: torch.Tensor, mask: torch.Tensor):
-        """The block on every token (mask passes through)."""
-        return self.mlp_half(*self.attn_half(x, mask))
 
     def active_forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The block on the active tokens only; returns the new hidden state and the number of

@@ -212,11 +212,6 @@ class RoutedBlock(Halves, nn.Module):
         y, aux = self.moe_branch(x, mask)
         return attach_aux_loss(x + y, aux, self.opts.aux_loss_coef), mask
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor):
-        if self.part is not None:
-            return self.split_forward(x, mask)
-        return self.mlp_half(*self.attn_half(x, mask))
-
     def forward_with_aux(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's output and its (unweighted) load-balancing loss, for single-process use."""
         x = self.attn_half(x, mask)[0]

@@ -61,15 +61,14 @@ class NormSlots:
     def __init__(self, specs: list[LayerSpec], model: ModelConfig):
         self.unit_layer = [s.model_index for s in specs]
         self.num_layers = self.unit_layer[-1] + 1 if specs else 0
-        self.split = any(s.part for s in specs)
         self.slots: dict[int, dict[str, int]] = {}  # split unit -> {parameter: slot}
-        if self.split:
-            with torch.device("meta"):
-                for i, spec in enumerate(specs):
+        self.size = 0
+        with torch.device("meta"):
+            for i, spec in enumerate(specs):
+                if spec.part:
                     names = [n for n, _ in tag_layer(layer_class(spec, model)(model), spec).named_parameters()]
-                    base = sum(len(v) for v in self.slots.values())
-                    self.slots[i] = {n: base + k for k, n in enumerate(names)}
-        self.size = sum(len(v) for v in self.slots.values())
+                    self.slots[i] = {n: self.size + k for k, n in enumerate(names)}
+                    self.size += len(names)
 
     def layer_norms(self, layers: dict[int, nn.Module], tie, device: torch.device) -> torch.Tensor:
         """This rank's part of the per-model-layer squared norms; with split units, the
@@ -81,11 +80,10 @@ class NormSlots:
             if i not in self.slots:
                 sq[self.unit_layer[i]] = optim.layer_sq_norm(layer, skip).to(device)
                 continue
-            for n, p in layer.named_parameters():
-                if p.grad is not None and n not in skip:
-                    k = self.num_layers + 2 * self.slots[i][n]
-                    sq[k] = p.grad.detach().float().pow(2).sum().to(device)
-                    sq[k + 1] = 1.0
+            for n, norm in optim.param_sq_norms(layer, skip).items():
+                k = self.num_layers + 2 * self.slots[i][n]
+                sq[k] = norm.to(device)
+                sq[k + 1] = 1.0
         return sq
 
     def fold(self, sq: torch.Tensor) -> torch.Tensor:

@@ -74,11 +74,17 @@ def layer_sq_norm(layer: nn.Module, skip: tuple[str, ...] = ()) -> torch.Tensor:
     `skip` names parameters left out: a copy of a tensor another layer already counts (the
     head's copy of a tied embedding), so the norm sees each logical tensor once.
     """
-    norms = [p.grad.detach().float().pow(2).sum() for n, p in layer.named_parameters()
-             if p.grad is not None and n not in skip]
+    norms = list(param_sq_norms(layer, skip).values())
     if not norms:
         return torch.zeros((), dtype=torch.float32)
     return torch.stack(norms).sum()
+
+
+def param_sq_norms(layer: nn.Module, skip: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """{parameter name: squared L2 norm of its gradient}, in parameter order, for the parameters
+    that have a gradient and are not in `skip`."""
+    return {n: p.grad.detach().float().pow(2).sum() for n, p in layer.named_parameters()
+            if p.grad is not None and n not in skip}
 
 
 def clip_coefficient(layer_sq_norms: torch.Tensor, max_norm: float) -> tuple[float, float]:
