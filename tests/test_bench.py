@@ -184,3 +184,68 @@ def test_each_block_kind_is_compared_with_its_own_dense_model(tmp_path, monkeypa
     assert [c[0] for c in calls] == [f"dense-moe-{moe.steps}"]
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert doc["real"][0]["technique_alone"] == 0.5 and doc["real"][0]["dense"]["name"] == f"dense-moe-{moe.steps}"
+
+
+def test_whole_against_half_blocks_replays_every_sublayer_trace_and_is_kept(tmp_path, monkeypatch):
+    import numpy as np
+
+    import dynmo.bench.sim as bench_sim
+    from dynmo.sim.replay import load_sublayer_trace, replay_units
+    from tests.test_sim_units import sublayer_trace
+
+    shape = {"UNITS_BLOCKS": 6, "UNITS_STAGES": 4, "UNITS_DP": 2, "UNITS_MICROBATCHES": 8}
+    for name, value in shape.items():  # a small shape: the replay's numbers, not the machine's speed, are tested
+        monkeypatch.setattr(bench_sim, name, value)
+    folder = tmp_path / "traces" / "sublayer"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(5)
+    sub = sublayer_trace(rng, 4, 6)
+    sub.write(folder / "sub.jsonl")
+    from dynmo.sim.trace import merge_units
+    merge_units(sub).write(folder / "whole.jsonl")  # whole blocks: said in Missing, not replayed
+    argv = ["--out", str(tmp_path), "--cases", "moe", "--no-real"]
+    assert bench.main(argv) == 0
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    rows = doc["units"]
+    assert [(r["trace"], r["units"], r["layers"]) for r in rows] == [("sub", "block", 8), ("sub", "sublayer", 14)]
+    block, half = rows
+    assert half["gap"] <= block["gap"] * (1 + 1e-12)  # every block layout is a sublayer layout
+    assert any(m.startswith("units: whole.jsonl: ") and "is not a sublayer trace" in m for m in doc["missing"])
+    # the rows are the library's replay, at the benchmark's shape
+    ref = replay_units(load_sublayer_trace(folder / "sub.jsonl"), 6, 4, 2, 8)
+    for r in rows:
+        want = ref[r["units"]]
+        assert (r["best_static"], r["best_static_s"], r["gap"]) == (want["best_static"], want["best_static_s"], want["gap"])
+        assert r["dynmo_s"] > 0 and r["oracle_s"] <= r["best_static_s"] * (1 + 1e-12)
+        assert r["oracle_vs_best_static"] == pytest.approx(r["best_static_s"] / r["oracle_s"])
+        assert r["run"] == {"command": argv, "started": doc["started"]}
+    text = (tmp_path / "bench.md").read_text()
+    assert "## Whole blocks against half blocks (replay)" in text
+    table = {c[2]: c for c in (line.split(" | ") for line in text.splitlines() if line.startswith("| sub |"))}
+    assert table["block"][-1] == "reference |" and table["block"][6] == f"{block['gap']:.3f}"
+    speedups = [block[k] / half[k] for k in ("best_static_s", "dynmo_s", "oracle_s")]
+    assert table["sublayer"][-1] == ", ".join(f"{x:.3f}" for x in speedups) + " |"
+    # an invocation that does not simulate keeps the section, naming the invocation that replayed it
+    assert bench.main(["--out", str(tmp_path), "--cases", "moe", "--no-real", "--no-sim"]) == 0
+    doc2 = json.loads((tmp_path / "bench.json").read_text())
+    assert doc2["units"] == rows
+    text2 = (tmp_path / "bench.md").read_text()
+    assert (f"Kept from an earlier invocation, `dynmo bench {' '.join(argv)}` (started {doc['started']}): "
+            "whole blocks against half blocks (simulated).") in text2
+    assert [line for line in text2.splitlines() if line.startswith("| sub |")] == \
+        [line for line in text.splitlines() if line.startswith("| sub |")]
+    # one that simulates replays it again: without sublayer traces, a one-line note
+    for path in folder.iterdir():
+        path.unlink()
+    assert bench.main(argv) == 0
+    assert json.loads((tmp_path / "bench.json").read_text())["units"] == []
+    section = (tmp_path / "bench.md").read_text().split("## Whole blocks against half blocks (replay)\n")[1]
+    assert section.lstrip().startswith("Skipped: no sublayer trace in `traces/sublayer/` was replayed")
+    assert "| sub |" not in section
+
+
+def test_bench_without_sublayer_traces_says_so_in_one_line(tmp_path):
+    assert bench.main(["--out", str(tmp_path), "--cases", "moe", "--no-real"]) == 0
+    text = (tmp_path / "bench.md").read_text()
+    assert text.count("Skipped: no sublayer trace") == 1
+    assert bench.render([], [], [], []).count("Whole blocks against half blocks") == 0  # never replayed: no section

@@ -260,3 +260,17 @@ def test_the_units_benchmark_replays_both_unit_kinds(tmp_path, capsys):
     assert float(rows[1][5]) <= float(rows[0][5]) * (1 + 1e-9)  # finer units: never a larger balance gap
     assert bench.main([str(ROOT / "docs" / "bench" / "traces" / "dense-60.jsonl")]) == 2
     assert "is not a sublayer trace" in capsys.readouterr().err
+
+
+def test_replay_units_needs_half_blocks_and_scales_both_kinds_alike():
+    from dynmo.sim.replay import replay_units
+
+    t = sublayer_trace(np.random.default_rng(6), 3, 4)
+    with pytest.raises(TraceError, match="^replay_units needs a sublayer trace"):
+        replay_units(merge_units(t), 6, 4, 2, 8)
+    rows = replay_units(t, 6, 4, 2, 8)
+    assert [rows[k]["layers"] for k in ("block", "sublayer")] == [8, 14]
+    # the same scaled costs, merged: every block layout is also a sublayer layout
+    assert rows["sublayer"]["gap"] <= rows["block"]["gap"] * (1 + 1e-12)
+    assert rows["sublayer"]["vs_block"]["best_static_s"] == rows["sublayer"]["best_static_s"] / rows["block"]["best_static_s"]
+    assert "vs_block" not in rows["block"]

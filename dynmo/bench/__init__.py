@@ -2,7 +2,8 @@
 
     cases     the cases, their shapes and dense models, the paper's figures
     run       the real runs of every variant; measures: what is read from their records
-    sim       the paper-scale replays; render: bench.md; plots: the real runs' plots
+    sim       the paper-scale replays, and whole blocks against half blocks (`units_rows`);
+              render: bench.md; plots: the real runs' plots
 """
 
 from dynmo.bench import cli, run

@@ -48,6 +48,10 @@ CASES = [
 SIM_POLICIES = ["uniform", "params", "profile-once", "optimal", "optimal+repack", "deepspeed", "diffusion-contiguous",
                 "oracle"]
 STATIC_VARIANTS = ("uniform", "params", "profile-once")
+# whole blocks against half blocks: every sublayer trace in OUT/traces/sublayer/ scaled to this many
+# blocks and replayed at this shape (4 microbatches per stage, as the cases' replays)
+UNITS_BLOCKS, UNITS_STAGES, UNITS_DP = 48, 24, 30
+UNITS_MICROBATCHES = 4 * UNITS_STAGES
 # alternating pairs of the best static layout and dynmo per case: 6 is the fewest whose
 # distribution-free interval for the median ratio covers 95%
 PAIRS = 6

@@ -32,12 +32,20 @@
    static policies (profile-once among them) and the dynamic ones, with and without re-packing;
    and the dense model's trace (`traces/dense-<steps>.jsonl`), scaled and replayed alike, for
    the technique alone and with dynmo against the dense model at that scale.
+3. Whole blocks against half blocks: every sublayer trace in OUT/traces/sublayer/ (a run recorded
+   with `--parallel.unit sublayer`, each block's attention and MLP halves as two placement units;
+   the repository's are docs/bench/traces/sublayer/) scaled noise-free to 48 blocks and replayed
+   at 24 stages x 30 with 96 microbatches, as half blocks and merged into whole blocks
+   (`dynmo.sim.replay.replay_units`): per trace and unit kind the best static layout's time, the
+   balance gap, dynmo and the oracle. Replayed by every invocation that simulates, whatever
+   `--cases`; a folder without traces leaves a one-line note.
 
 Writes `OUT/bench.md` (all tables and the commands), `OUT/bench.json`, the traces, and PNG
 plots per case (`OUT/plots/<case>/`: the replay's, and the real runs' stage loads, layouts and
 per-worker throughput over the steps). Results are written after every case, so an
 interrupted run keeps what it measured. Rows an invocation does not measure again (the cases
-not in `--cases`; every real row with `--no-real`) are kept from OUT/bench.json, and the output
+not in `--cases`; every real row with `--no-real`; the simulated rows, those of whole against half
+blocks included, with `--no-sim`) are kept from OUT/bench.json, and the output
 names the invocation that measured them: one case can be measured again alone. What a case lacks (a config that does not exist, a run
 that failed) is said in the output, not hidden.
 """
@@ -53,7 +61,7 @@ from pathlib import Path
 from dynmo.bench.cases import CASES, PAIRS, ROOT
 from dynmo.bench.render import render
 from dynmo.bench.run import dense_name, dense_run, real_row
-from dynmo.bench.sim import sim_rows
+from dynmo.bench.sim import sim_rows, units_rows
 from dynmo.sim.replay import PROFILE_STEPS
 
 
@@ -112,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     # rows this invocation does not measure again (other cases, or all real rows with --no-real)
     # are kept from OUT/bench.json, each with the invocation that measured it
     kept_real, kept_sim = [], []
+    units = None  # whole against half blocks: kept until this invocation replays them; None: never replayed
     if (out / "bench.json").is_file():
         try:
             old = json.loads((out / "bench.json").read_text())
@@ -120,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
                          if args.no_real or args.dense_only or r["case"] not in wanted]
             kept_sim = [r | {"run": r.get("run") or old_run} for r in old.get("sim", [])
                         if args.no_sim or r["case"] not in wanted]
+            if old.get("units") is not None:
+                units = [r | {"run": r.get("run") or old_run} for r in old["units"]]
         except (OSError, ValueError, AttributeError, TypeError, KeyError) as e:
             print(f"dynmo bench: {out / 'bench.json'} is not readable ({e}); move it away to start afresh",
                   file=sys.stderr)
@@ -131,9 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         all_sim = sorted(kept_sim + sim, key=lambda r: order.get(r["case"], len(order)))
         (out / "bench.json").write_text(json.dumps({"command": argv, "started": started,
                                                     "duration_s": round(time.perf_counter() - t0),
-                                                    "real": all_real, "sim": all_sim, "missing": missing},
-                                                   indent=1) + "\n")
-        text = render(all_real, all_sim, missing, argv, started, time.perf_counter() - t0)
+                                                    "real": all_real, "sim": all_sim, "units": units,
+                                                    "missing": missing}, indent=1) + "\n")
+        text = render(all_real, all_sim, missing, argv, started, time.perf_counter() - t0, units=units)
         (out / "bench.md").write_text(text)
         return text
 
@@ -162,6 +173,11 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             sim += [r | {"run": run} for r in sim_rows(case, out)]
         write()
+    if not args.no_sim:
+        print("dynmo bench: whole blocks against half blocks (replay)", file=sys.stderr, flush=True)
+        found, lost = units_rows(out / "traces" / "sublayer")
+        units = [r | {"run": run} for r in found]
+        missing += lost
     print(write())
     return 0
 

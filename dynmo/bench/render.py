@@ -14,18 +14,64 @@ def _f(x, spec: str = ".3f") -> str:
     return fmt(x, spec)
 
 
+UNITS_LABEL = "whole blocks against half blocks (simulated)"
+
+
+def units_section(rows: list[dict]) -> list[str]:
+    """The section of whole blocks against half blocks: per sublayer trace, a block row (the
+    reference) and a sublayer row (`replay_units`' rows)."""
+    lines = ["## Whole blocks against half blocks (replay)\n"]
+    if not rows:
+        return lines + [
+            "Skipped: no sublayer trace in `traces/sublayer/` was replayed (record one with `dynmo train ... "
+            "--parallel.unit sublayer --trace OUT/traces/sublayer/NAME.jsonl`; the repository's are in "
+            "docs/bench/traces/sublayer/).\n"]
+    lines += [
+        "Each sublayer trace in `traces/sublayer/` (a run recorded with `--parallel.unit sublayer`: "
+        "each block's attention half and MLP half are two placement units) scaled noise-free to the shape's "
+        "blocks and replayed twice (`dynmo.sim.replay.replay_units`): as half blocks (`sublayer`), and merged into "
+        "whole blocks (`block`, `merge_units` of the same scaled trace: the same per-step costs, only where a "
+        "stage boundary may fall differs). Best static: the fastest of uniform, params and profile-once, and its "
+        "total seconds. Balance gap: per step, the slowest stage of the optimal contiguous layout over the "
+        "step's total cost / stages, median over the run's second half (1 is a perfect split). dynmo: "
+        "`optimal`, `balance.when = auto`, from uniform, migrations and decide time included; oracle: each "
+        "step's fastest layout, changed for free; both as the best static total over theirs (> 1: faster than "
+        "the best static layout). Half blocks' speedup: the block row's total over the sublayer row's, for the "
+        "best static layout, dynmo and the oracle (> 1: half blocks are faster). `python "
+        "benchmarks/replay_units.py TRACE.jsonl` prints the same replay with total seconds.\n",
+        "| trace | shape | units | layers | best static | best static s | balance gap | dynmo vs best static "
+        "| dynmo migrations | oracle vs best static | half blocks' speedup (best static, dynmo, oracle) |",
+        "|---|---|---|---:|---|---:|---:|---:|---:|---:|---|",
+    ]
+    ref: dict = {}
+    for r in rows:
+        if r["units"] == "block":
+            ref = r
+            vs = "reference"
+        else:
+            same = ref.get("trace") == r["trace"]
+            vs = ", ".join(_f(ref[k] / r[k] if same and r.get(k) else None)
+                           for k in ("best_static_s", "dynmo_s", "oracle_s"))
+        lines.append(f"| {r['trace']} | {r['shape']} | {r['units']} | {r['layers']} | {r['best_static']} | "
+                     f"{_f(r['best_static_s'], ',.1f')} | {_f(r['gap'])} | {_f(r.get('dynmo_vs_best_static'))} | "
+                     f"{r['migrations']} | {_f(r.get('oracle_vs_best_static'))} | {vs} |")
+    return lines + [""]
+
+
 def render(real: list[dict], sim: list[dict], missing: list[str], argv: list[str], started: str = "",
-           duration_s: float | None = None) -> str:
+           duration_s: float | None = None, units: list[dict] | None = None) -> str:
+    """bench.md. `units`: the rows of whole blocks against half blocks (`dynmo.bench.sim.units_rows`);
+    None leaves their section out (never replayed), [] leaves a one-line note (no trace replayed)."""
     lines = ["# dynmo bench\n", f"Command: `dynmo bench {' '.join(argv)}`"
              + (f" (started {started}" + (f", {duration_s / 60:.0f} min" if duration_s else "") + ")" if started else "")
              + "\n"]
     runs: dict[tuple, list[str]] = {}
-    for kind, rows in (("real", real), ("simulated", sim)):
+    for kind, rows in (("real", real), ("simulated", sim), ("units", units or [])):
         for r in rows:
             ran = r.get("run") or {}
             if ran and (ran.get("command") != argv or ran.get("started") != started):
                 key = (" ".join(ran.get("command") or ["..."]), ran.get("started") or "?")
-                label = f"{r['case']} ({kind})"
+                label = UNITS_LABEL if kind == "units" else f"{r['case']} ({kind})"
                 if label not in runs.setdefault(key, []):
                     runs[key].append(label)
     for (cmd, when), labels in runs.items():
@@ -145,6 +191,8 @@ def render(real: list[dict], sim: list[dict], missing: list[str], argv: list[str
                              f"{_f(w.get('vs_dense'))} | "
                              f"{f'{paper[0]:.2f}' if paper else 'n/a'} | {paper[1] if paper else 'n/a'} |")
             lines.append("")
+    if units is not None:
+        lines += units_section(units)
     if missing:
         lines += ["## Missing\n"] + [f"- {m}" for m in missing] + [""]
     return "\n".join(lines)

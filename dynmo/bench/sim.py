@@ -1,15 +1,21 @@
-"""The paper-scale rows: each case's uniform trace scaled up and replayed under every policy, beside its dense model."""
+"""The paper-scale rows: each case's uniform trace scaled up and replayed under every policy, beside its dense
+model; and every sublayer trace replayed with whole blocks against half blocks."""
 
 from __future__ import annotations
 
+import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
-from dynmo.bench.cases import SIM_POLICIES, BenchCase
+from dynmo.balance import BalanceError
+from dynmo.bench.cases import (
+    SIM_POLICIES, UNITS_BLOCKS, UNITS_DP, UNITS_MICROBATCHES, UNITS_STAGES, BenchCase,
+)
 from dynmo.bench.run import _dense_prefix, dense_name
-from dynmo.sim import load_trace, scale_trace
+from dynmo.sim import SimInputError, TraceError, load_trace, scale_trace
 from dynmo.sim.plots import write_plots
-from dynmo.sim.replay import ReplayOptions, replay, replay_balance
+from dynmo.sim.replay import ReplayOptions, load_sublayer_trace, replay, replay_balance, replay_units
 
 
 def sim_rows(case: BenchCase, out: Path) -> list[dict]:
@@ -59,3 +65,21 @@ def _dense_trace(out: Path, case: BenchCase) -> Path | None:
     # another step count of the same dense model
     found = sorted((out / "traces").glob(f"{_dense_prefix(case)}[0-9]*.jsonl"))
     return found[0] if found else None
+
+
+def units_rows(folder: Path) -> tuple[list[dict], list[str]]:
+    """Every sublayer trace in `folder` (`*.jsonl`, by name) replayed by `replay_units` at the
+    benchmark's shape (`UNITS_*`): two rows per trace, whole blocks then half blocks; and a line
+    for each trace that could not be replayed, saying why."""
+    rows, missing = [], []
+    shape = f"{UNITS_BLOCKS} blocks, {UNITS_STAGES}x{UNITS_DP}, {UNITS_MICROBATCHES} microbatches"
+    for path in sorted(folder.glob("*.jsonl")):
+        t0 = time.perf_counter()
+        try:
+            got = replay_units(load_sublayer_trace(path), UNITS_BLOCKS, UNITS_STAGES, UNITS_DP, UNITS_MICROBATCHES)
+        except (TraceError, SimInputError, BalanceError) as e:
+            missing.append(f"units: {path.name}: {str(e).splitlines()[0]}")
+            continue
+        rows += [{"trace": path.stem, "units": kind, "shape": shape, **r} for kind, r in got.items()]
+        print(f"  {path.stem}: whole and half blocks in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    return rows, missing

@@ -43,6 +43,10 @@ runtime's probe measures it: comm + delay_j for the activation, charged to stage
 (`dynmo.balance.Problem.transfer`), and the same for its gradient, charged to stage j+1
 (`Problem.transfer_back`); with `"free"` they balance compute only. `replay_link_delays` runs the network experiment: the same trace at link delays
 of 0x, 1x, 2x, 4x a base time, link-aware against compute-only.
+
+Units. `replay_units` replays one sublayer trace (each block's attention and MLP halves as two
+units) with half-block units and, merged, with whole blocks: the best static layout, the balance
+gap, dynmo and the oracle of each (`dynmo.sim.replay.units`).
 """
 
 from __future__ import annotations
@@ -56,9 +60,11 @@ from dynmo.sim.replay.policies import profile_costs, profile_once_layout
 from dynmo.sim.replay.render import link_delay_table, summary_table, trace_summary
 from dynmo.sim.replay.result import PolicyResult
 from dynmo.sim.replay.run import replay
+from dynmo.sim.replay.units import UNIT_POLICIES, balance_gap, load_sublayer_trace, replay_units
 
 __all__ = [
     "DEFAULT_POLICIES", "DYNAMIC", "GRAD_BYTES_PER_PARAM", "LINK_DELAY_FACTORS", "LINK_MODES", "PROFILE_STEPS", "STATIC",
-    "PolicyResult", "ReplayOptions", "default_policies", "link_delay_table", "parse_policy", "profile_costs", "profile_once_layout",
-    "replay", "replay_balance", "replay_link_delays", "summary_table", "trace_summary",
+    "UNIT_POLICIES", "PolicyResult", "ReplayOptions", "balance_gap", "default_policies", "link_delay_table",
+    "load_sublayer_trace", "parse_policy", "profile_costs", "profile_once_layout", "replay", "replay_balance",
+    "replay_link_delays", "replay_units", "summary_table", "trace_summary",
 ]
