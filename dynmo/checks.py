@@ -58,20 +58,10 @@ CHECKPOINT_KEYS = {
 
 
 def check_unit(cfg: Config) -> None:
-    """`parallel.unit`, and the dynamic models whose blocks cannot yet be placed as two halves."""
+    """`parallel.unit`: every block variant and dynamic case places half blocks."""
     unit = cfg.parallel.unit
     if unit not in UNITS:
         raise ConfigError(f"parallel.unit = {unit!r}: choose one of {', '.join(UNITS)}")
-    if unit != "sublayer":
-        return
-    fix = "use parallel.unit = \"block\""
-    if cfg.model.block == "mod":
-        raise ConfigError("parallel.unit = \"sublayer\" does not split Mixture-of-Depths blocks (the block's routing "
-                          f"decision would have to travel from its attention half to its MLP half); {fix}")
-    for section, what in (("early_exit", "early exit"), ("prune", "pruning"), ("freeze", "freezing")):
-        if getattr(cfg, section).enabled:
-            raise ConfigError(f"parallel.unit = \"sublayer\" does not work with {what} yet ({section}.enabled = true): "
-                              f"its per-block state is kept per whole block; {fix}")
 
 
 def validate(cfg: Config, world: int) -> list[str]:

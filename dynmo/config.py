@@ -226,8 +226,8 @@ class FreezeConfig:
     start_step: int = 10  # no block freezes before this step
     every: int = 5  # steps between convergence checks
     tolerance: float = 0.05  # a block whose progress metric changes less than this is converged
-    max_frozen: int = -1  # most blocks frozen at once; -1 = all but the last block
-    max_per_check: int = 1  # most blocks frozen at one check (Egeria: one); 0 = no limit
+    max_frozen: int = -1  # most blocks (half blocks with parallel.unit = sublayer) frozen at once; -1 = all but the last
+    max_per_check: int = 1  # most blocks (or half blocks) frozen at one check (Egeria: one); 0 = no limit
 
 
 @dataclass

@@ -59,8 +59,14 @@ def dense_twin(block: MoDBlock, cfg: ModelConfig) -> Block:
     return dense
 
 
+def weighted(dense: Block, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The dense block's two residual updates, each weighted by w: h = x + w attn(x), h + w mlp(h)."""
+    h = x + w * dense.attn_branch(x)
+    return h + w * dense.mlp_branch(h)
+
+
 def test_full_capacity_equals_dense_block_update():
-    """capacity 1: out = x + sigmoid(r) * (Block(x) - x) with the same weights."""
+    """capacity 1: each of the dense block's two residual updates weighted by sigmoid(r)."""
     torch.manual_seed(1)
     cfg = cfg_with(capacity=1.0)
     block = make(capacity=1.0)
@@ -69,7 +75,7 @@ def test_full_capacity_equals_dense_block_update():
     mask = torch.ones(B, T, dtype=torch.bool)
     with torch.no_grad():
         out, _ = block(x, mask)
-        ref = x + torch.sigmoid(block.router(x)) * (dense(x, mask)[0] - x)
+        ref = weighted(dense, x, torch.sigmoid(block.router(x)))
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=0)
 
 
@@ -86,8 +92,7 @@ def test_chosen_tokens_equal_block_on_the_subsequence():
         chosen = chosen_by_router(block, x, mask, 4)
         for b in range(B):
             sub = x[b, chosen[b]].unsqueeze(0)  # boolean indexing keeps position order
-            w = torch.sigmoid(block.router(sub))
-            ref = sub + w * (dense(sub, torch.ones(1, 4, dtype=torch.bool))[0] - sub)
+            ref = weighted(dense, sub, torch.sigmoid(block.router(sub)))
             torch.testing.assert_close(out[b, chosen[b]], ref[0], atol=1e-6, rtol=0)
 
 
@@ -204,9 +209,7 @@ def test_predictor_routing_is_causal_and_bypasses_the_rest():
         assert len(set(accepted.sum(1).tolist())) > 1  # sequences differ: the shorter ones are padded
         for b in range(B):  # accepted tokens see only accepted tokens, never the padding rows
             sub = x[b, accepted[b]].unsqueeze(0)
-            w = torch.sigmoid(block.router(sub))
-            ones = torch.ones(sub.shape[:2], dtype=torch.bool)
-            ref = sub + w * (dense(sub, ones)[0] - sub)
+            ref = weighted(dense, sub, torch.sigmoid(block.router(sub)))
             torch.testing.assert_close(out[b, accepted[b]], ref[0], atol=1e-6, rtol=0)
         x2 = x.clone()
         x2[:, 9:] = torch.randn(B, T - 9, D)  # change the future

@@ -42,8 +42,6 @@ def test_units_are_the_embedding_two_halves_per_block_and_the_head():
 
 @pytest.mark.parametrize("args,match", [
     (["--parallel.unit", "layer"], "parallel.unit = 'layer': choose one of block, sublayer"),
-    (["--parallel.unit", "sublayer", "--model.block", "mod"], "does not split Mixture-of-Depths blocks"),
-    (["--parallel.unit", "sublayer", "--prune.enabled", "true"], "does not work with pruning yet"),
     (["--parallel.unit", "sublayer", "--parallel.layout", "0,5,6"], "covers 6 layers"),
 ])
 def test_bad_unit_combinations_are_refused_before_launch(args, match):
@@ -96,3 +94,65 @@ def test_a_sublayer_checkpoint_resumes_on_whole_blocks_and_back(tmp_path):
     losses = [r["loss"] for r in metrics(a)[:2] + metrics(b)[:2] + metrics(c)]
     assert [r["step"] for r in metrics(c)] == [4, 5]
     assert losses == ref_losses
+
+
+SPLIT = "2:0,4,10;4:0,7,10"  # boundaries after block 1's and then block 2's attention half
+EXIT = ["--early_exit.enabled", "true", "--early_exit.first_block", "1", "--early_exit.threshold", "0.5",
+        "--early_exit.start_step", "2"]
+PRUNE = ["--prune.enabled", "true", "--prune.start_step", "0", "--prune.every", "3", "--prune.times", "2",
+         "--prune.final_sparsity", "0.8", "--prune.scoring", "magnitude", "--prune.min_density", "0"]
+
+
+def losses(out: Path) -> list[float]:
+    return [r["loss"] for r in metrics(out)]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", [
+    [*EXIT, *PRUNE, "--prune.kernel", "csr"],
+    ["--model.block", "mod", *PRUNE, "--prune.structured", "true", "--prune.kernel", "dense"],
+], ids=["earlyexit+pruning", "mod+structured-pruning"])
+def test_dynamic_cases_on_half_blocks_train_bitwise_as_on_whole_blocks(tmp_path, case):
+    """Early exit decides after a block's MLP half with the block's input handed on from its
+    attention half; Mixture of Depths hands its routing decision on; pruning cuts the halves'
+    Linears as the blocks' -- across stage boundaries inside blocks, moved with their state:
+    the losses of whole blocks placed once, bit for bit."""
+    halves, whole = tmp_path / "halves", tmp_path / "whole"
+    run_train(halves, "--steps", "7", *case, "--parallel.unit", "sublayer", "--parallel.relayout", SPLIT)
+    run_train(whole, "--steps", "7", *case)
+    assert losses(halves) == losses(whole)
+    recs = metrics(halves)
+    assert sum(e["type"] == "migration" for r in recs for e in r["events"]) == 2
+    assert sum(e["type"] == "dynamism" for r in recs for e in r["events"]) >= 2  # it pruned (and exited)
+    last = recs[-1]
+    if "--early_exit.enabled" in case:  # exits are decided on MLP halves only
+        assert sum(last["exit_tokens"][i] or 0 for i in range(2, 9, 2)) > 0
+        assert all(last["exit_tokens"][i] is None for i in range(1, 9, 2))
+    else:  # structured pruning narrowed the MLP halves
+        assert all(last["prune_hidden"][i] < 128 for i in range(2, 9, 2))
+
+
+@pytest.mark.dist
+def test_mixture_of_depths_on_half_blocks_over_three_ranks_is_the_single_model(tmp_path):
+    """A llama MoD model split inside blocks on 3 ranks and moved: the single-process model."""
+    args = ["--model.block", "mod", *LLAMA]
+    run_train(tmp_path, "--steps", str(STEPS), *args, "--parallel.unit", "sublayer", "--parallel.relayout",
+              "2:0,2,7,10;4:0,5,8,10", nproc=3)
+    ref_losses, _ = reference_run(tiny_config("--train.steps", str(STEPS), *args), STEPS)
+    assert losses(tmp_path) == ref_losses
+
+
+@pytest.mark.dist
+def test_halves_freeze_front_to_back_and_a_move_changes_nothing(tmp_path):
+    """Freezing works per half (a MoD MLP half probed with its routing): the halves freeze
+    front to back, and moving them mid-run gives the same losses and the same frozen halves."""
+    freeze = ["--model.block", "mod", "--parallel.unit", "sublayer", "--freeze.enabled", "true",
+              "--freeze.start_step", "4", "--freeze.every", "2", "--freeze.tolerance", "1e9",
+              "--freeze.max_frozen", "3", "--freeze.max_per_check", "0"]
+    moved, placed = tmp_path / "moved", tmp_path / "placed"
+    run_train(moved, "--steps", "7", *freeze, "--parallel.relayout", "2:0,4,10;5:0,7,10")
+    run_train(placed, "--steps", "7", *freeze)
+    assert losses(moved) == losses(placed)
+    for out in (moved, placed):
+        last = metrics(out)[-1]
+        assert last["freeze_frozen"][1:9] == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]  # block 0, block 1's attention

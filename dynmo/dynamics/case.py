@@ -65,23 +65,33 @@ class Host(Protocol):
 
     @property
     def num_layers(self) -> int:
-        """Layers of the whole model (embedding, blocks, head)."""
+        """Placement units of the whole model (embedding, blocks or half blocks, head): the
+        range of the global layer indices below."""
 
     @property
     def num_blocks(self) -> int:
-        """Transformer blocks of the whole model."""
+        """Transformer blocks of the whole model (a block placed as two halves counts once)."""
 
     def layers(self) -> dict[int, nn.Module]:
         """This rank's layers by global layer index."""
 
     def blocks(self) -> dict[int, nn.Module]:
-        """This rank's transformer blocks by global layer index, in layer order."""
+        """This rank's transformer blocks, or half blocks with `parallel.unit = "sublayer"`, by
+        global layer index, in layer order."""
 
     def is_block(self, index: int) -> bool:
-        """Whether global layer `index` is a transformer block."""
+        """Whether global layer `index` is a transformer block or half of one."""
 
     def block_number(self, index: int) -> int:
-        """0-based block number of global layer `index` (a block)."""
+        """0-based block number of global layer `index` (a block or half of one)."""
+
+    def part(self, index: int) -> str | None:
+        """"attn" or "mlp" for a half block (`dynmo.model.layers.LayerSpec.part`), else None."""
+
+    def add_params(self, index: int, names: list[str]) -> None:
+        """Declare the parameters (names within the layer) a case adds to layer `index`, after
+        the layer's own: call it alike on every rank for every layer, held or not, so the
+        gradient norm of a block placed as two halves sums them where the whole block would."""
 
     # process groups (None where a group would have one rank)
     @property

@@ -28,6 +28,12 @@ before its weights load (`prepare_layer`).
 Shapes crossing stage boundaries stay fixed: the hidden state keeps [batch, seq, d_model] and
 the bool mask of active tokens travels with it.
 
+Half-block units (`parallel.unit = "sublayer"`): a block still decides once, after its MLP
+half, which holds the classifier. Both halves compute the active tokens only; the attention
+half's gate counts its rows and hands the block's input on beside the residual stream (carry
+`block_input`, across a stage boundary when one falls between the halves), for the MLP half's
+saturation label. The decisions, and so the losses, are those of whole blocks.
+
 Per-layer metrics (summed over the step's microbatch forwards): exit_active_tokens (tokens the
 block computed on), exit_rows (rows it computed, incl. padding), exit_tokens (tokens that
 exited after it), exit_rate (exit_tokens / exit_active_tokens), exit_confidence (mean over
@@ -73,9 +79,10 @@ class ExitGate:
     from `first_block` on (`can_exit`), lets confident active tokens exit after it (see the
     module docstring). `exiting` is set per step by the case (start_step)."""
 
-    def __init__(self, opts: EarlyExitConfig, can_exit: bool):
+    def __init__(self, opts: EarlyExitConfig, can_exit: bool, hands_input: bool = False):
         self.opts = opts
         self.can_exit = can_exit
+        self.hands_input = hands_input  # an attention half: pass the block's input on to its MLP half
         self.exiting = False
         self.handle = None
         self.reset_stats()
@@ -83,9 +90,9 @@ class ExitGate:
     def reset_stats(self) -> None:
         self.stats = StepStats()
 
-    def __call__(self, block: nn.Module, args: tuple, output: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-        x, mask = args
-        out, _ = output
+    def __call__(self, block: nn.Module, args: tuple, output: tuple) -> tuple[torch.Tensor, ...]:
+        x, mask = args[0], args[1]
+        out = output[0]
         B, T, D = x.shape
         n_active = int(mask.sum())
         rows = B * int(mask.sum(1).max())  # rows the block computed, padding included
@@ -95,7 +102,8 @@ class ExitGate:
             logit = block.exit_head(F.layer_norm(out.detach(), (D,))).squeeze(-1)  # [B, T]
             with torch.no_grad():
                 conf = torch.sigmoid(logit)
-                label = (F.cosine_similarity(out, x, dim=-1) >= self.opts.saturation).to(logit.dtype)
+                block_input = args[2] if len(args) > 2 else x  # a split block's MLP half is handed it
+                label = (F.cosine_similarity(out, block_input, dim=-1) >= self.opts.saturation).to(logit.dtype)
                 conf_sum = float(conf[active_in].sum())
                 if self.exiting:
                     leave = active_in & (conf >= self.opts.threshold)
@@ -105,6 +113,8 @@ class ExitGate:
             aux = bce.masked_select(active_in).mean()  # tokens that were active at this block
             out = attach_aux_loss(out, aux, self.opts.aux_loss_coef)
         self.stats.add(active_tokens=n_active, rows=rows, exited=exited, conf_sum=conf_sum)
+        if self.hands_input:
+            return out, mask, x.detach()
         return out, mask
 
     def remove(self) -> None:
@@ -125,10 +135,10 @@ class ExitGate:
 
 
 def install_gate(block: nn.Module, opts: EarlyExitConfig, can_exit: bool) -> ExitGate:
-    """Make `block` compute active tokens only and decide exits after it (`can_exit` needs
-    `block.exit_head`)."""
+    """Make `block` (a whole block or one half) compute active tokens only and decide exits
+    after it (`can_exit` needs `block.exit_head`)."""
     block.skip_inactive = True
-    gate = ExitGate(opts, can_exit)
+    gate = ExitGate(opts, can_exit, hands_input=getattr(block, "part", None) == "attn")
     gate.handle = block.register_forward_hook(gate)
     return gate
 
@@ -141,6 +151,9 @@ class EarlyExit(Case):
         super().__init__(host)
         check_options(self.opts, host.cfg)
         self.gates: dict[int, ExitGate] = {}
+        for i in range(host.num_layers):
+            if host.is_block(i) and self._can_exit(i):
+                host.add_params(i, ["exit_head.weight", "exit_head.bias"])
         states = host.optimizer_states()
         for i, block in host.blocks().items():
             if self._can_exit(i):
@@ -149,13 +162,15 @@ class EarlyExit(Case):
         host.rebuild_optimizer(states)  # the optimizer was built before the exit classifiers existed
 
     def _can_exit(self, i: int) -> bool:
-        return self.host.block_number(i) >= self.opts.first_block
+        """Whether unit i decides exits: a whole block, or a block's MLP half, from first_block on."""
+        return self.host.block_number(i) >= self.opts.first_block and self.host.part(i) != "attn"
 
     def _new_head(self, i: int) -> nn.Module:
-        """The exit classifier of layer i: the same initial weights wherever the block lives."""
+        """The exit classifier of unit i: the same initial weights wherever the block lives,
+        whether it is placed whole or as two halves (seeded by the block's number)."""
         d, seed = self.host.cfg.model.d_model, self.host.cfg.train.seed
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed * 1_000_003 + 7919 * (i + 1))
+            torch.manual_seed(seed * 1_000_003 + 7919 * (self.host.block_number(i) + 2))
             head = nn.Linear(d, 1, device=self.host.device)
             nn.init.normal_(head.weight, 0.0, 0.02)
             nn.init.zeros_(head.bias)

@@ -28,6 +28,12 @@ every rank the same vector, and every rank applies the same front-to-back rule. 
 frozen blocks is therefore known everywhere, and a migrated block is re-frozen on arrival
 (`unpack_layer`); its reference copy travels with it.
 
+Half-block units (`parallel.unit = "sublayer"`): the units that freeze are the halves, front
+to back (a block's attention half before its MLP half), each on its own plasticity;
+`max_frozen` and `max_per_check` count halves, and -1 keeps the last half trainable. A half
+block's MLP half is probed with what its attention half handed it (a Mixture-of-Depths
+block's routing). The event still names block numbers (a block twice when both halves freeze).
+
 Works with every schedule: the zero-bubble ones (interleavedzb, zbv) skip parameters that need
 no gradient when they run the weight-gradient pass.
 
@@ -64,14 +70,17 @@ def check_options(f: FreezeConfig, n_blocks: int) -> None:
 
 
 @torch.no_grad()
-def plasticity(block: nn.Module, ref: dict[str, torch.Tensor], x: torch.Tensor, mask: torch.Tensor) -> float:
+def plasticity(block: nn.Module, ref: dict[str, torch.Tensor], x: torch.Tensor, mask: torch.Tensor,
+               *carry: torch.Tensor) -> float:
     """||f_now(x) - f_ref(x)|| / ||f_now(x) - x||: how much the block's function moved since `ref`.
     Computed in float32 whatever the training's dtype (the captured input may be bf16): a
-    measurement, outside autocast, on the fp32 parameters."""
+    measurement, outside autocast, on the fp32 parameters. `carry`: what a half block's MLP
+    half is handed beside (x, mask) (`dynmo.model.gpt.Halves`)."""
     x = x.float()
+    carry = tuple(c.float() if c.is_floating_point() else c for c in carry)
     with stats.paused():  # probe forwards are not training work: leave the layers' statistics alone
-        now = block(x, mask)[0]
-        old = functional_call(block, ref, (x, mask), strict=True)[0]
+        now = block(x, mask, *carry)[0]
+        old = functional_call(block, ref, (x, mask, *carry), strict=True)[0]
     return float((now - old).norm() / (now - x).norm().clamp_min(1e-12))
 
 
@@ -87,10 +96,10 @@ class Freeze(Case):
 
     def __init__(self, host):
         super().__init__(host)
-        n_blocks = host.num_blocks
+        n = host.num_layers
+        n_blocks = sum(host.is_block(i) for i in range(n))  # blocks, or half blocks: the units that freeze
         check_options(self.opts, n_blocks)
         self.max_frozen = n_blocks - 1 if self.opts.max_frozen < 0 else self.opts.max_frozen
-        n = host.num_layers
         self.frozen = [False] * n  # by global layer index; identical on every rank
         self.progress: list[float | None] = [None] * n
         self.refs: dict[int, dict[str, torch.Tensor]] = {}  # reference copies of the blocks held here
@@ -127,7 +136,7 @@ class Freeze(Case):
     def _probe_hook(self, i: int):
         def hook(module, args):
             if i not in self.probes and torch.is_grad_enabled():
-                self.probes[i] = (args[0].detach().clone(), args[1].detach().clone())
+                self.probes[i] = tuple(a.detach().clone() for a in args)
 
         return hook
 

@@ -44,6 +44,11 @@ CSR kernel of `dynmo.model.sparse`, picked by measurement after every pruning st
 function; the choice (and the two measured times) per block is in the metrics. Data-parallel
 replicas sum their measurements so they pick alike.
 
+Half-block units (`parallel.unit = "sublayer"`): each half prunes the Linears it holds, under
+the same global cut and tie-break keys as its whole block, so the masks are those of whole
+blocks; structured pruning narrows the MLP halves (the attention halves have no hidden units).
+The kernel is chosen per unit.
+
 Structured pruning (`prune.structured = true`): whole MLP hidden units (a row of fc and the
 matching column of proj) are removed by a global criterion on their L2 norms (scored as above:
 `normalized` divides by the RMS of the block's unit norms, removed units counting as zeros),
@@ -184,7 +189,8 @@ class Prune(Case):
         with torch.device("meta"):  # the block as built, to count what pruning starts from
             block = block_class(m)(m)
         self.names: tuple[str, ...] = block.prunable
-        self.full_size = sum(block.get_submodule(n).weight.numel() for n in self.names)  # Linear weights of one block
+        self.sizes = {n: block.get_submodule(n).weight.numel() for n in self.names}  # as built
+        self.full_size = sum(self.sizes.values())  # Linear weights of one block
         self.full_hidden = block.mlp.fc.out_features if self.opts.structured else 0
         self.kernel: dict[int, str] = {}  # layer index -> chosen kernel (unstructured, after pruning)
         self.timings: dict[int, dict[str, float]] = {}
@@ -205,12 +211,16 @@ class Prune(Case):
             raise ValueError(f"the checkpoint's prune state has {len(hidden)} block widths, the model has {host.num_blocks} blocks")
         self.hidden = [int(h) for h in hidden]
         states = host.optimizer_states()
-        for i, block in host.blocks().items():
+        for i, block in self._mlp_units().items():
             width = self.hidden[host.block_number(i)]
             if width != block.mlp.fc.out_features:
                 shrink_mlp(block.mlp, torch.arange(width))
                 states.pop(i, None)  # the loader allocates and fills the narrower moments
         host.rebuild_optimizer(states)
+
+    def _mlp_units(self) -> dict[int, nn.Module]:
+        """This rank's blocks that hold an MLP (whole blocks, or MLP halves)."""
+        return {i: b for i, b in self.host.blocks().items() if getattr(b, "mlp", None) is not None}
 
     def after_load(self, step: int) -> None:
         done = [t for t in range(step) if (sparsity_at(t, self.opts) or 0.0) > 0.0]
@@ -278,7 +288,7 @@ class Prune(Case):
 
     def _prune_structured(self, step: int, s: float) -> dict:
         host = self.host
-        blocks = host.blocks()
+        blocks = self._mlp_units()
         total = host.num_blocks * self.full_hidden
         keep = total - round(s * total)
         masks, kept = unit_masks(host, blocks, keep, self.opts, self.full_hidden)
@@ -313,13 +323,13 @@ class Prune(Case):
                 nnz = lin.weight.numel() if mask is None else int(mask.sum())
                 live += nnz
                 macs += nnz if isinstance(lin, PrunedLinear) and lin.kernel == "csr" else lin.weight.numel()
-            out.setdefault("prune_density", {})[i] = live / self.full_size
+            out.setdefault("prune_density", {})[i] = live / sum(self.sizes[n] for n in linears(block, self.names))
             out.setdefault("prune_macs_per_token", {})[i] = macs
             out.setdefault("prune_kernel", {})[i] = float(self.kernel.get(i, "dense") == "csr")
             if i in self.timings:
                 out.setdefault("prune_dense_ms", {})[i] = 1e3 * self.timings[i]["dense"]
                 out.setdefault("prune_csr_ms", {})[i] = 1e3 * self.timings[i]["csr"]
-            if self.opts.structured:
+            if self.opts.structured and getattr(block, "mlp", None) is not None:
                 out.setdefault("prune_hidden", {})[i] = block.mlp.fc.out_features
         return out
 

@@ -102,8 +102,9 @@ def unit_scores(mlp: nn.Module) -> torch.Tensor:
 
 
 def linears(block: nn.Module, names: tuple[str, ...]) -> dict[str, nn.Module]:
-    """A block's prunable Linear layers by name."""
-    return {name: block.get_submodule(name) for name in names}
+    """A block's prunable Linear layers by name, in `names` order: those it holds (a half block
+    holds its half's only; the other half's modules are None)."""
+    return {name: block.get_submodule(name) for name in names if getattr(block, name.split(".")[0], None) is not None}
 
 
 def mask_of(lin: nn.Module) -> torch.Tensor | None:
@@ -121,7 +122,8 @@ def weight_masks(host: Host, blocks: dict[int, nn.Module], names: tuple[str, ...
     out), and the number kept over the group."""
     score_list, owners, floors, keys = [], [], [], []
     for i, block in blocks.items():
-        for j, (name, lin) in enumerate(linears(block, names).items()):
+        for name, lin in linears(block, names).items():
+            j = names.index(name)  # the same key whether the block is placed whole or as halves
             old = mask_of(lin)
             score_list.append(scores(lin.weight.detach().abs(), None if old is None else old != 0, opts.scoring))
             owners.append((i, name))

@@ -85,50 +85,66 @@ class MLP(nn.Module):
 
 class Halves:
     """A block that can be placed as two units (`parallel.unit = "sublayer"`): its attention
-    half `attn_half` and its MLP half `mlp_half`, each `(x, mask) -> (x, mask)`; the whole
-    block is the one after the other, the same operations in the same order. `halves` names
-    the modules of each (`dynmo.model.layers.keep_half`); `part` is the half a split block
-    runs, None for a whole one."""
+    half `attn_half(x, mask)` and its MLP half `mlp_half(x, mask, *carry)`; the whole block is
+    the one after the other, the same operations in the same order. `halves` names the modules
+    of each (`dynmo.model.layers.keep_half`); `part` is the half a split block runs, None for a
+    whole one.
+
+    The attention half returns `(x, mask, *carry)`: `carry` names what else the MLP half needs
+    of it beside the residual stream (a Mixture-of-Depths block's routing decision), and it
+    crosses a stage boundary with the residual stream when one falls between the halves. A
+    half may be handed more than its own carry (the input an early-exit gate keeps for its
+    decision); it takes its own, first."""
 
     halves: tuple[tuple[str, ...], tuple[str, ...]]
+    carry: tuple[str, ...] = ()
     part: str | None = None
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor):
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, *carry: torch.Tensor):
         if self.part == "attn":
             return self.attn_half(x, mask)
         if self.part == "mlp":
-            return self.mlp_half(x, mask)
+            return self.mlp_half(x, mask, *carry[:len(self.carry)])
         return self.dense_forward(x, mask)
 
     def dense_forward(self, x: torch.Tensor, mask: torch.Tensor):
-        """The whole block on every token: its attention half, then its MLP half."""
+        """The whole block: its attention half, then its MLP half."""
         return self.mlp_half(*self.attn_half(x, mask))
 
 
 class SkipsInactive(Halves, nn.Module):
-    """A block that, with `skip_inactive` set, computes only the active tokens of a microbatch
-    that has inactive ones (`active_forward`), else every token (`dense_forward`)."""
+    """A pre-norm block that, with `skip_inactive` set, computes only the active tokens of a
+    microbatch that has inactive ones, else every token: its halves are
+    x + attention(x) and x + mlp(x) from the family's `attn_branch(x)`, `attn_rows(x, idx)`
+    (the attention branch of the rows at positions idx only) and `mlp_branch(x)`.
+
+    On the active tokens (`on_active_rows`), per sequence the active positions are gathered
+    (padded to the most active sequence; padding rows are inactive tokens whose result is
+    discarded) and the query projection, attention, output projection and MLP run on those
+    rows only. Inactive tokens still serve as keys and values with their current hidden state,
+    so an active token's output is exactly the dense block's, and inactive tokens pass bit for
+    bit. Off (the default), the block never looks at the mask, which costs a dense model
+    nothing."""
 
     skip_inactive = False
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor):
-        if self.part is None and self.skip_inactive and not bool(mask.all()):
-            return self.active_forward(x, mask)[0], mask
-        return super().forward(x, mask)
+    def _skipping(self, mask: torch.Tensor) -> bool:
+        return self.skip_inactive and not bool(mask.all())
+
+    def attn_half(self, x: torch.Tensor, mask: torch.Tensor):
+        if self._skipping(mask):
+            return on_active_rows(x, mask, lambda sel, idx: sel + self.attn_rows(x, idx)), mask
+        return x + self.attn_branch(x), mask
+
+    def mlp_half(self, x: torch.Tensor, mask: torch.Tensor):
+        if self._skipping(mask):
+            return on_active_rows(x, mask, lambda sel, idx: sel + self.mlp_branch(sel)), mask
+        return x + self.mlp_branch(x), mask
 
 
 class Block(SkipsInactive):
-    """Pre-norm transformer block (t).
-
-    With `skip_inactive` set (models whose tokens can leave the computation, e.g. early exit),
-    the block computes only the active tokens of a microbatch that has inactive ones: per
-    sequence the active positions are gathered (padded to the most active sequence; padding
-    rows are inactive tokens whose result is discarded) and the query projection, attention,
-    output projection and MLP run on those rows only. Inactive tokens still serve as keys and
-    values with their current hidden state, so an active token's output is exactly the dense
-    block's, and inactive tokens pass bit for bit. Off (the default), the block never looks at
-    the mask, which costs a dense model nothing.
-    """
+    """Pre-norm transformer block (t). With `skip_inactive` set (models whose tokens can leave
+    the computation, e.g. early exit) it computes the active tokens only (`SkipsInactive`)."""
 
     prunable = ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")  # its Linears, for weight pruning
     mlp_units = ("mlp.fc", "mlp.proj")  # the MLP's in and out Linears, for structured pruning
@@ -142,18 +158,14 @@ class Block(SkipsInactive):
         self.mlp = MLP(cfg)
         self.skip_inactive = False
 
-    def attn_half(self, x: torch.Tensor, mask: torch.Tensor):
-        return x + self.attn(self.ln1(x)), mask
+    def attn_branch(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn(self.ln1(x))
 
-    def mlp_half(self, x: torch.Tensor, mask: torch.Tensor):
-        return x + self.mlp(self.ln2(x)), mask
+    def attn_rows(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        return self.attn.attend_rows(self.ln1(x), idx)
 
-
-    def active_forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """The block on the active tokens only; returns the new hidden state and the number of
-        rows computed per sequence."""
-        return active_update(x, mask, lambda idx: self.attn.attend_rows(self.ln1(x), idx),
-                             lambda s: self.mlp(self.ln2(s)))
+    def mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln2(x))
 
 
 def active_rows(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,24 +186,19 @@ def causal_rows(idx: torch.Tensor, T: int) -> torch.Tensor:
     return (pos.view(1, 1, T) <= idx.unsqueeze(-1)).unsqueeze(1)
 
 
-def active_update(x: torch.Tensor, mask: torch.Tensor, attend, mlp) -> tuple[torch.Tensor, int]:
-    """A pre-norm block's update on the active tokens only, for any family's block.
+def on_active_rows(x: torch.Tensor, mask: torch.Tensor, update) -> torch.Tensor:
+    """x with `update(sel, idx)` applied to its active rows only, for any family's block.
 
-    `attend(idx)` gives the attention branch for the rows at positions idx [B, A] (queries of
-    those rows, keys and values of every token); `mlp(s)` the MLP branch of rows s. Padding
-    rows keep their input, and inactive tokens are copied, so they pass bit for bit.
-    Returns the new hidden state and the rows computed per sequence.
-    """
+    `idx` [B, A] are the active positions per sequence (`active_rows`), `sel` [B, A, D] their
+    hidden states; padding rows keep their input and inactive tokens are copied, so they pass
+    bit for bit (with no active token, a copy: never an alias of the input)."""
     D = x.shape[-1]
     idx, valid = active_rows(mask)
-    A = idx.shape[1]
-    if A == 0:  # no active token: nothing to compute (a copy, never an alias of the input)
-        return x.clone(), 0
+    if idx.shape[1] == 0:
+        return x.clone()
     g = idx.unsqueeze(-1).expand(-1, -1, D)
     sel = x.gather(1, g)
-    s = sel + attend(idx)
-    new = torch.where(valid.unsqueeze(-1), s + mlp(s), sel)
-    return x.scatter(1, g, new), A
+    return x.scatter(1, g, torch.where(valid.unsqueeze(-1), update(sel, idx), sel))
 
 
 class Embedding(nn.Module):

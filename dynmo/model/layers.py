@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
-from dynmo.config import ModelConfig
+from dynmo.config import Config, ModelConfig
 from dynmo.model import gpt, llama, mixtral
 from dynmo.model.families import FAMILY_BLOCKS, check_block
 from dynmo.model.hashattn import HashAttnBlock, LlamaHashAttnBlock
@@ -120,6 +120,29 @@ def layer_specs(cfg: ModelConfig, unit: str = "block") -> list[LayerSpec]:
         halves = [LayerSpec(letter, 1 + 2 * b + k, b + 1) for b in range(n) for k, letter in enumerate("am")]
         return [LayerSpec("E", 0)] + halves + [LayerSpec("L", 2 * n + 1, n + 1)]
     return [LayerSpec("E", 0)] + [LayerSpec("t", i + 1) for i in range(n)] + [LayerSpec("L", n + 1)]
+
+
+class Carry(NamedTuple):
+    """A tensor that may cross a boundary between a block's two halves beside the residual
+    stream and the mask (`dynmo.model.gpt.Halves`): [B, T, D] or [B, T], in the compute dtype
+    or bool, and whether a gradient flows back through it."""
+
+    per_feature: bool
+    floating: bool
+    grad: bool
+
+
+CARRIES = {
+    "route": Carry(False, True, True),  # Mixture of Depths: each chosen token's router weight, 0 elsewhere
+    "chosen": Carry(False, False, False),  # Mixture of Depths: the tokens the attention half chose
+    "block_input": Carry(True, True, False),  # early exit: the block's input, for the decision after its MLP half
+}
+
+
+def half_carry(cfg: Config) -> tuple[str, ...]:
+    """What a block's attention half hands its MLP half beside (x, mask), in order: the
+    block's own carry, then the early-exit gate's (`dynmo.dynamics.earlyexit`)."""
+    return block_class(cfg.model).carry + (("block_input",) if cfg.early_exit.enabled else ())
 
 
 def block_class(cfg: ModelConfig) -> type[nn.Module]:

@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dynmo.config import ModelConfig
-from dynmo.model.gpt import SkipsInactive, active_update, causal_rows
+from dynmo.model.gpt import SkipsInactive, causal_rows
 
 
 class RMSNorm(nn.Module):
@@ -175,18 +175,14 @@ class Block(SkipsInactive):
         self.mlp = SwiGLU(cfg)
         self.skip_inactive = False
 
-    def attn_half(self, x: torch.Tensor, mask: torch.Tensor):
-        return x + self.self_attn(self.input_layernorm(x)), mask
+    def attn_branch(self, x: torch.Tensor) -> torch.Tensor:
+        return self.self_attn(self.input_layernorm(x))
 
-    def mlp_half(self, x: torch.Tensor, mask: torch.Tensor):
-        return x + self.mlp(self.post_attention_layernorm(x)), mask
+    def attn_rows(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        return self.self_attn.attend_rows(self.input_layernorm(x), idx)
 
-
-    def active_forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """The block on the active tokens only; returns the new hidden state and the number of
-        rows computed per sequence."""
-        return active_update(x, mask, lambda idx: self.self_attn.attend_rows(self.input_layernorm(x), idx),
-                             lambda s: self.mlp(self.post_attention_layernorm(s)))
+    def mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.post_attention_layernorm(x))
 
 
 class Embedding(nn.Module):

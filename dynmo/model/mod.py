@@ -4,13 +4,18 @@ residual stream, bit for bit.
 
     r = router(x)                      one scalar per token
     chosen = top-k of r per sequence   (expert-choice routing; kept in position order)
-    x_c = x[chosen]                    attention + MLP run on these k tokens only,
-    delta = attn(x_c) + mlp(...)       causal among the chosen tokens
-    out[chosen] = x_c + sigmoid(r_c) * delta ;  out[others] = x[others]
+    w = sigmoid(r[chosen])             the router weight of each chosen token
+    h = x[chosen] + w * attn(x[chosen])          attention among the chosen tokens, causal
+    out[chosen] = h + w * mlp(h) ;  out[others] = x[others]
 
-The router weight multiplies the block's update so the router gets a gradient from the loss
-(Raposo et al. multiply by the raw logit; the sigmoid keeps the update bounded and starts every
-block at half strength instead of near zero).
+The router weight multiplies each of the block's two residual updates so the router gets a
+gradient from the loss (Raposo et al. multiply the block's whole update by the raw logit; the
+sigmoid keeps the update bounded and starts every block at half strength instead of near
+zero). Weighting each half's update makes the block two halves (`Halves`): the attention half
+routes and hands its decision -- `route` (w at the chosen positions, 0 elsewhere, [B, T]) and
+`chosen` ([B, T] bool) -- to the MLP half beside the residual stream, across a stage boundary
+when one falls between them (`parallel.unit = "sublayer"`), and the MLP half updates the same
+rows.
 
 Top-k over the whole sequence is not causal: whether token t is chosen depends on later
 tokens. As in the paper, a small predictor (a linear map of the detached input) learns to
@@ -27,15 +32,16 @@ only the config; `dynmo.model.layers.tag_layer` sets `layer.index = spec.index -
 
 Only active tokens (mask True) can be chosen; the mask passes through unchanged.
 
-`MoDRouting` holds all of the above; a family's block only supplies its sub-layers and the
-update of the chosen rows: `MoDBlock` (gpt) and `LlamaMoDBlock` (llama, whose attention
+`MoDRouting` holds all of the above; a family's block only supplies its sub-layers and their
+attention and MLP branches: `MoDBlock` (gpt) and `LlamaMoDBlock` (llama, whose attention
 rotates each chosen token at its original position, since the gathered rows no longer sit
 where their rotary phase would otherwise be taken from).
 
 Per-layer stats (`block.last_stats`, summed over the forwards since `block.reset_stats()`):
 rows (token rows the block computed: its cost, B x k per forward), tokens_processed (active
 chosen tokens), active_tokens, capacity, attn_pairs (causal query-key pairs among chosen
-tokens), predictor_accuracy and aux_loss (means), forwards.
+tokens), predictor_accuracy and aux_loss (means), forwards. A split block's MLP half reports
+its own rows, tokens_processed and forwards; its attention half everything else.
 """
 
 from __future__ import annotations
@@ -49,18 +55,21 @@ import torch.nn.functional as F
 from dynmo.config import MoDConfig, ModelConfig
 from dynmo.model import llama
 from dynmo.model.aux_loss import attach_aux_loss
-from dynmo.model.gpt import MLP, CausalSelfAttention
+from dynmo.model.gpt import MLP, CausalSelfAttention, Halves, active_rows
 from dynmo.model.stats import StepStats
 
 MoDOptions = MoDConfig  # options live in the config ([model.mod])
 
 
-class MoDRouting(nn.Module):
+class MoDRouting(Halves, nn.Module):
     """What every family's Mixture of Depths block shares: router, predictor, capacities,
-    routing, the weighted update, the predictor loss and the stats. A family's block adds its
-    sub-layers after calling this constructor and defines `update(sel, positions)`, the
-    block's residual update of the chosen rows `sel` [B, k, D] at original positions [B, k]."""
+    routing, the weighted updates, the predictor loss and the stats. A family's block adds its
+    sub-layers after calling this constructor and defines `attend(sel, positions)` (the
+    attention branch of the chosen rows `sel` [B, k, D] at original positions [B, k], causal
+    among them) and `feed(h)` (the MLP branch of rows h), and `halves` (router and predictor
+    belong to the attention half)."""
 
+    carry = ("route", "chosen")
     index: int | None = None  # block number (0-based); set by layers.tag_layer, needed only for `capacities`
 
     def __init__(self, cfg: ModelConfig):
@@ -78,7 +87,10 @@ class MoDRouting(nn.Module):
             nn.init.zeros_(lin.bias)
         self.reset_stats()
 
-    def update(self, sel: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def attend(self, sel: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def feed(self, h: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     @property
@@ -106,6 +118,8 @@ class MoDRouting(nn.Module):
         s = self._stats
         if not s.forwards:
             return {}
+        if self.part == "mlp":  # a split block's MLP half: its own rows; the routing is the attention half's
+            return {"rows": s.sums["rows"], "tokens_processed": s.sums["tokens_processed"], "forwards": s.forwards}
         return {
             "rows": s.sums["rows"],
             "attn_pairs": s.sums["attn_pairs"],
@@ -117,12 +131,16 @@ class MoDRouting(nn.Module):
             "forwards": s.forwards,
         }
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor):
-        x, aux = self.forward_with_aux(x, mask)
-        return attach_aux_loss(x, aux, self.opts.predictor_loss_coef), mask
+    def attn_half(self, x: torch.Tensor, mask: torch.Tensor):
+        x, mask, route, chosen, aux = self._attn_half(x, mask)
+        return attach_aux_loss(x, aux, self.opts.predictor_loss_coef), mask, route, chosen
 
     def forward_with_aux(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's output and its (unweighted) predictor loss, for single-process use."""
+        h, mask, route, chosen, aux = self._attn_half(x, mask)
+        return self.mlp_half(h, mask, route, chosen)[0], aux
+
+    def _attn_half(self, x: torch.Tensor, mask: torch.Tensor):
         B, T, D = x.shape
         k = self.tokens_per_sequence(T)
         logits = self.router(x).squeeze(-1)  # [B, T]
@@ -143,14 +161,28 @@ class MoDRouting(nn.Module):
             idx, valid = idx.gather(1, order), valid.gather(1, order)
         g = idx.unsqueeze(-1).expand(-1, -1, D)
         sel = x.gather(1, g)  # [B, k, D]: the only tokens the block computes on
-        delta = self.update(sel, idx)
-        w = torch.sigmoid(logits.gather(1, idx)).unsqueeze(-1)
-        new = torch.where(valid.unsqueeze(-1), sel + w * delta, sel)
-        out = x.scatter(1, g, new)  # non-chosen tokens are copied from x untouched
+        w = torch.sigmoid(logits.gather(1, idx)) * valid  # 0 on padding rows
+        h = torch.where(valid.unsqueeze(-1), sel + w.unsqueeze(-1) * self.attend(sel, idx), sel)
+        out = x.scatter(1, g, h)  # non-chosen tokens are copied from x untouched
+        route = torch.zeros_like(logits).scatter(1, idx, w)
+        chosen = torch.zeros_like(mask).scatter(1, idx, valid)
         m = mask.float()
         aux = (F.binary_cross_entropy_with_logits(pred, target.float(), reduction="none") * m).sum() / m.sum().clamp_min(1)
         self._record(idx.shape[1], valid, mask, pred, target, aux)
-        return out, aux
+        return out, mask, route, chosen, aux
+
+    def mlp_half(self, h: torch.Tensor, mask: torch.Tensor, route: torch.Tensor, chosen: torch.Tensor):
+        """The MLP's weighted update of the rows the attention half chose (in position order,
+        padded to the sequence with most of them); every other row passes bit for bit."""
+        D = h.shape[-1]
+        idx, valid = active_rows(chosen)
+        g = idx.unsqueeze(-1).expand(-1, -1, D)
+        sel = h.gather(1, g)
+        w = route.gather(1, idx).unsqueeze(-1)
+        new = torch.where(valid.unsqueeze(-1), sel + w * self.feed(sel), sel)
+        if self.part == "mlp":  # a whole block counted its rows in its attention half
+            self._stats.add(rows=idx.shape[0] * idx.shape[1], tokens_processed=int(valid.sum()))
+        return h.scatter(1, g, new), mask
 
     @torch.no_grad()
     def _record(self, k: int, valid, mask, pred, target, aux) -> None:
@@ -172,6 +204,7 @@ class MoDBlock(MoDRouting):
 
     prunable = ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")  # its Linears, for weight pruning
     mlp_units = ("mlp.fc", "mlp.proj")  # the MLP's in and out Linears, for structured pruning
+    halves = (("router", "predictor", "ln1", "attn"), ("ln2", "mlp"))
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -180,10 +213,12 @@ class MoDBlock(MoDRouting):
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg)
 
-    def update(self, sel: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def attend(self, sel: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # learned position embeddings are already in the hidden state: positions are not needed
-        a = self.attn(self.ln1(sel))
-        return a + self.mlp(self.ln2(sel + a))
+        return self.attn(self.ln1(sel))
+
+    def feed(self, h: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln2(h))
 
 
 class LlamaMoDBlock(MoDRouting):
@@ -191,6 +226,7 @@ class LlamaMoDBlock(MoDRouting):
     their original positions (rotary), causal among them."""
 
     prunable = llama.Block.prunable
+    halves = (("router", "predictor", "input_layernorm", "self_attn"), ("post_attention_layernorm", "mlp"))
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -199,6 +235,8 @@ class LlamaMoDBlock(MoDRouting):
         self.post_attention_layernorm = llama.RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = llama.SwiGLU(cfg)
 
-    def update(self, sel: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        a = self.self_attn(self.input_layernorm(sel), positions)
-        return a + self.mlp(self.post_attention_layernorm(sel + a))
+    def attend(self, sel: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.self_attn(self.input_layernorm(sel), positions)
+
+    def feed(self, h: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.post_attention_layernorm(h))

@@ -70,6 +70,17 @@ class NormSlots:
                     self.slots[i] = {n: self.size + k for k, n in enumerate(names)}
                     self.size += len(names)
 
+    def add(self, unit: int, names: list[str]) -> None:
+        """Parameters a dynamic case adds to split unit `unit` after it was built (an exit
+        classifier), registered after the unit's own, as they are in the whole block. Called
+        alike on every rank, for every unit, held or not."""
+        if unit not in self.slots:
+            return  # a whole unit's norm is its layer's, whatever it holds
+        for n in names:
+            if n not in self.slots[unit]:
+                self.slots[unit][n] = self.size
+                self.size += 1
+
     def layer_norms(self, layers: dict[int, nn.Module], tie, device: torch.device) -> torch.Tensor:
         """This rank's part of the per-model-layer squared norms; with split units, the
         per-parameter squared norms and whether each is present, appended (summed over the

@@ -34,7 +34,7 @@ class PipelineHost:
 
     @property
     def num_blocks(self) -> int:
-        return sum(s.is_block for s in self.pipe.specs)
+        return self.cfg.model.n_layers
 
     def layers(self) -> dict[int, nn.Module]:
         return self.pipe.layers
@@ -51,6 +51,12 @@ class PipelineHost:
         if n is None:
             raise ValueError(f"layer {index} ({self.pipe.specs[index].name}) is not a transformer block")
         return n
+
+    def add_params(self, index: int, names: list[str]) -> None:
+        self.pipe.norm_slots.add(index, names)
+
+    def part(self, index: int) -> str | None:
+        return self.pipe.specs[index].part
 
     @property
     def model_group(self):

@@ -21,7 +21,7 @@ from dynmo.config import Config
 from dynmo.layout import Layout, LayoutError
 from dynmo.model.gpt import loss_fn
 from dynmo.model.hf import HFReader, load_layer
-from dynmo.model.layers import LayerSpec, build_layer, empty_layer, layer_specs
+from dynmo.model.layers import LayerSpec, build_layer, empty_layer, half_carry, layer_specs
 from dynmo.runtime import grads, optim
 from dynmo.runtime.dist import DistContext
 from dynmo.runtime.memory import PeakMemory
@@ -60,6 +60,7 @@ class Pipeline:
     def __init__(self, cfg: Config, ctx: DistContext, layout: Layout):
         self.cfg, self.ctx = cfg, ctx
         self.specs: list[LayerSpec] = layer_specs(cfg.model, cfg.parallel.unit)
+        self.half_carry = half_carry(cfg)  # what crosses a boundary between a block's halves
         self.schedule_info = get_schedule(cfg.parallel.schedule)
         self.num_stages = ctx.pp * cfg.parallel.virtual_stages
         self.placement = stage_to_rank(self.num_stages, ctx.pp, self.schedule_info.placement)
@@ -131,13 +132,19 @@ class Pipeline:
                                  profile=self.cfg.balance.profile, device=self.ctx.device, dtype=self.dtype,
                                  recompute=self.recompute)
             inputs, outputs = example_io(s == 0, s == self.num_stages - 1, self.microbatch, m.seq_len, m.d_model,
-                                         m.vocab_size, self.ctx.device, self.dtype)
+                                         m.vocab_size, self.ctx.device, self.dtype,
+                                         carry_in=self._carry(idx[0] - 1), carry_out=self._carry(idx[-1]))
             self.stages.append(TimedPipelineStage(module, s, self.num_stages, self.ctx.device, input_args=inputs,
                                                   output_args=outputs, group=self.ctx.pp_group))
         stage_arg = self.stages if self.schedule_info.multi_stage else self.stages[0]
         # scale_grads=False: the division by the number of microbatches is ours (grads.scale_grads)
         self.schedule = schedule_class(self.schedule_info)(stage_arg, self.microbatches, loss_fn=loss_fn,
                                                            scale_grads=False)
+
+    def _carry(self, unit: int) -> tuple[str, ...]:
+        """What crosses the boundary after `unit` beside (x, mask): a split block's carry when
+        the unit is its attention half."""
+        return self.half_carry if 0 <= unit < len(self.specs) and self.specs[unit].part == "attn" else ()
 
     # ---- one step ---------------------------------------------------------------------
     def train_step(self, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> StepResult:

@@ -43,6 +43,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dynmo.dynamics.noise import LINKS
 from dynmo.model import stats
+from dynmo.model.layers import CARRIES
 
 
 class Clock:
@@ -321,17 +322,23 @@ class TimedPipelineStage(PipelineStage):
 
 def example_io(
     first: bool, last: bool, mb: int, seq_len: int, d_model: int, vocab: int, device: torch.device,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype = torch.float32, carry_in: tuple[str, ...] = (), carry_out: tuple[str, ...] = (),
 ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """Static input/output examples so a rebuilt stage needs no shape inference; hidden states
-    and logits in the compute dtype (what crosses a stage boundary)."""
+    and logits in the compute dtype (what crosses a stage boundary). A boundary that falls
+    between a block's two halves also carries `carry_in` / `carry_out` (names in
+    `dynmo.model.layers.CARRIES`) after the hidden state and the mask."""
 
-    def hidden():
-        return (
-            torch.empty(mb, seq_len, d_model, device=device, dtype=dtype, requires_grad=True),
-            torch.empty(mb, seq_len, dtype=torch.bool, device=device),
-        )
+    def hidden(carry):
+        out = [torch.empty(mb, seq_len, d_model, device=device, dtype=dtype, requires_grad=True),
+               torch.empty(mb, seq_len, dtype=torch.bool, device=device)]
+        for name in carry:
+            c = CARRIES[name]
+            shape = (mb, seq_len, d_model) if c.per_feature else (mb, seq_len)
+            out.append(torch.empty(shape, device=device, dtype=dtype if c.floating else torch.bool,
+                                   requires_grad=c.grad))
+        return tuple(out)
 
-    inputs = (torch.empty(mb, seq_len, dtype=torch.long, device=device),) if first else hidden()
-    outputs = (torch.empty(mb, seq_len, vocab, device=device, dtype=dtype, requires_grad=True),) if last else hidden()
+    inputs = (torch.empty(mb, seq_len, dtype=torch.long, device=device),) if first else hidden(carry_in)
+    outputs = (torch.empty(mb, seq_len, vocab, device=device, dtype=dtype, requires_grad=True),) if last else hidden(carry_out)
     return inputs, outputs
