@@ -20,7 +20,8 @@ import importlib
 # traces and the replay, which themselves import the controller.
 _WHERE = {
     **dict.fromkeys(("SimInputError", "SimResult", "StageTimes", "bubble_ratio", "lower_bound", "predict_iteration_time",
-                     "ring_allreduce_time", "simulate", "simulate_plan"), "dynmo.sim.engine"),
+                     "ring_allgather_time", "ring_allreduce_time", "simulate", "simulate_plan"),
+                    "dynmo.sim.engine"),
     **dict.fromkeys(("SCHEDULES", "Op", "Plan", "ScheduleError", "build_plan"), "dynmo.sim.schedules"),
     "stage_times": "dynmo.sim.stages",
     **dict.fromkeys(("Trace", "TraceError", "TraceHeader", "TraceStep", "TraceWriter", "load_trace", "merge_units",

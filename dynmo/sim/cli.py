@@ -118,6 +118,9 @@ def _parser() -> ArgumentParser:
     r.add_argument("--allreduce-bandwidth", type=float, help="bytes/s of the dp gradient ring all-reduce "
                    "(default: not modelled)")
     r.add_argument("--allreduce-latency", type=float, default=0.0, help="seconds per all-reduce")
+    r.add_argument("--shard", default="none", help="none (default) or optimizer: AdamW state sharded over the dp "
+                   "replicas (as parallel.shard): sharded migration bytes, and with --allreduce-bandwidth the "
+                   "parameter all-gather after each step")
     r.add_argument("--plots", metavar="DIR", help="write PNG plots to DIR")
     r.add_argument("--json", action="store_true", help="print JSON instead of the table")
     r.add_argument("--save-trace", metavar="FILE", help="write the (converted or scaled) trace to FILE")
@@ -307,6 +310,10 @@ def _check_replay_args(args: argparse.Namespace) -> list[str] | None:
     if args.allreduce_bandwidth is not None:
         number("--allreduce-bandwidth", args.allreduce_bandwidth, positive=True)
     number("--allreduce-latency", args.allreduce_latency)
+    if args.shard == "full":
+        raise InputError("--shard full (parameters and gradients sharded too) is not modelled; "
+                         "choose none or optimizer")
+    choice("--shard", args.shard, ("none", "optimizer"))
     if args.policies is None:
         return None
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -371,7 +378,7 @@ def _replay_main(args: argparse.Namespace) -> int:
         migration_fixed_s=args.mig_fixed, charge_decide=not args.no_decide_time, comm=args.comm,
         op_overhead=args.op_overhead,
         p2p=args.p2p or "eager", allreduce_bandwidth=args.allreduce_bandwidth,
-        allreduce_latency=args.allreduce_latency,
+        allreduce_latency=args.allreduce_latency, shard=args.shard,
         **({"profile_steps": args.profile_steps} if args.profile_steps is not None else {}),
     )
     policies = asked or default_policies(trace, opts)
@@ -405,7 +412,8 @@ def _replay_main(args: argparse.Namespace) -> int:
     print(f"trace: {args.trace} ({info['source']}), case {info['case']}, {info['layers']} layers, "
           f"{info['steps']} steps, dynamism at steps {info['dynamism_steps'] or 'none'}")
     print(f"replay: {shape['schedule']}, {shape['stages']} stages on {shape['ranks']} ranks x {shape['dp']} dp "
-          f"= {shape['workers']} workers, {shape['microbatches']} microbatches, controller when={opts.balance.when}")
+          f"= {shape['workers']} workers, {shape['microbatches']} microbatches, controller when={opts.balance.when}"
+          + (f", optimizer state sharded over the {shape['dp']} replicas" if opts.shard == "optimizer" else ""))
     print(summary_table(results))
     print("speedup: total time of static uniform / this policy's (migrations and decide time included); "
           "/worker: the same per worker-second; bottleneck: mean slowest stage per microbatch")
@@ -443,14 +451,26 @@ def _shape(trace, results, args, opts) -> dict:
     dp = args.dp or h.dp
     return {"schedule": canonical_name(opts.schedule or h.schedule), "stages": stages,
             "ranks": first.workers[0] // dp, "dp": dp, "workers": first.workers[0],
-            "microbatches": opts.microbatches or h.microbatches, "stages_per_rank": stages // (first.workers[0] // dp)}
+            "microbatches": opts.microbatches or h.microbatches, "stages_per_rank": stages // (first.workers[0] // dp),
+            "shard": opts.shard}
 
 
 def _missing(trace, opts, shape) -> list[str]:
     """What this replay leaves out, said in the output."""
     out = []
+    sharded = opts.shard == "optimizer" and shape["dp"] > 1
     if shape["dp"] > 1 and not opts.allreduce_bandwidth:
-        out.append("data-parallel gradient all-reduce (give --allreduce-bandwidth bytes/s)")
+        out.append("data-parallel gradient all-reduce" + (" and the sharded optimizer's parameter all-gather"
+                   if sharded else "") + " (give --allreduce-bandwidth bytes/s)")
+    if sharded:
+        out.append("sharding beyond the optimizer state (weights and gradients stay whole on every replica), "
+                   "reduce-scatter (the gradients are all-reduced, as the runtime does) and per-worker memory "
+                   "(the saving shows in migration bytes only)")
+        if "prune" in trace.header.case:
+            out.append("pruning with a sharded optimizer: the runtime does not run it yet (a what-if)")
+    if "freeze" in trace.header.case and _measured_bytes_rescaled(trace, opts, shape["dp"]):
+        out.append("frozen layers' missing AdamW state: the traced run's measured state bytes are rescaled to "
+                   "this replay's sharding as if every layer held weights, gradients and both moments")
     if opts.comm == 0 and not opts.link_delay:
         out.append("stage-to-stage transfer time (give --comm seconds)")
     if opts.op_overhead == 0:
@@ -463,6 +483,16 @@ def _missing(trace, opts, shape) -> list[str]:
         out.append("re-packing: the runtime re-packs only with one stage per rank, so +repack policies are left out")
     out.append("per-layer cost changes caused by the placement itself (costs are replayed as traced)")
     return out
+
+
+def _measured_bytes_rescaled(trace, opts, dp: int) -> bool:
+    """Whether the replay scales the trace's measured state bytes (its sharding differs from the traced run's)."""
+    from dynmo.loop import bytes_per_param
+    from dynmo.sim.replay.runner import traced_shard
+
+    h = trace.header
+    return any(s.state_bytes is not None for s in trace.steps) and \
+        bytes_per_param(opts.shard, dp) != bytes_per_param(traced_shard(trace), h.dp)
 
 
 if __name__ == "__main__":

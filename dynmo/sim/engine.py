@@ -11,7 +11,10 @@ Stages on the same rank hand over for free. Sends never block the sender. With d
 parallelism (D identical replicas) each stage's gradient all-reduce starts after its last B
 or W; by default it runs on a separate communication channel per rank (overlapping later
 compute, one all-reduce at a time);
-`allreduce_mode="blocking"` instead runs it inline where torch places REDUCE_GRAD.
+`allreduce_mode="blocking"` instead runs it inline where torch places REDUCE_GRAD. A sharded
+optimizer's parameter all-gather (`StageTimes.allgather`) follows the optimizer step, which
+waits for the whole model's gradient norm: every rank's starts when the last all-reduce and
+the last compute op of any rank have ended, its stages' all-gathers back to back.
 
 Identical replicas run identical timelines, so one replica is simulated and the
 all-reduce cost is added: the cost does not depend on D beyond the all-reduce time.
@@ -45,7 +48,9 @@ class StageTimes:
     is the weight gradient; zero-bubble schedules run it as a separate W op and the input
     gradient I takes `bwd - wgrad`. `comm_fwd[s]` / `comm_bwd[s]` is the transfer time of
     an activation s -> s+1 / a gradient s+1 -> s (length stages-1). `allreduce[s]` is the
-    time of stage s's gradient all-reduce across data-parallel replicas.
+    time of stage s's gradient all-reduce across data-parallel replicas; `allgather[s]` (None:
+    none) the time of its parameter all-gather after the optimizer step, when the optimizer
+    state is sharded over the replicas.
     """
 
     fwd: np.ndarray
@@ -54,6 +59,7 @@ class StageTimes:
     comm_fwd: np.ndarray
     comm_bwd: np.ndarray
     allreduce: np.ndarray
+    allgather: np.ndarray | None = None
 
     @property
     def num_stages(self) -> int:
@@ -74,6 +80,7 @@ class StageTimes:
         comm=0.0,
         allreduce=0.0,
         link_delay=None,
+        allgather=None,
     ) -> "StageTimes":
         """Normalize user input.
 
@@ -84,7 +91,8 @@ class StageTimes:
         allreduce: a number or one per stage. link_delay: extra seconds added to every
         transfer on a link, activation and gradient alike (a delay injected on the network
         between stage j and j+1): a number for every link or a list of stages-1; None or 0
-        leaves the transfer times exactly as `comm` gives them.
+        leaves the transfer times exactly as `comm` gives them. allgather: None, a number or
+        one per stage: the sharded optimizer's parameter all-gather after the step.
         """
         f = _per_stage_mb(fwd, "fwd", None, microbatches)
         s, m = f.shape
@@ -106,7 +114,8 @@ class StageTimes:
             if np.any(d > 0):
                 cf, cb = cf + d, cb + d
         ar = _per_stage(allreduce, "allreduce", s)
-        return cls(f, b, w, cf, cb, ar)
+        ag = None if allgather is None else _per_stage(allgather, "allgather", s)
+        return cls(f, b, w, cf, cb, ar, ag)
 
     def balanced(self) -> "StageTimes":
         """Every stage gets the mean stage's times (per microbatch); links stay as they are."""
@@ -118,6 +127,7 @@ class StageTimes:
         return StageTimes(
             mean(self.fwd), mean(self.bwd), mean(self.wgrad),
             self.comm_fwd, self.comm_bwd, np.full(s, self.allreduce.mean()),
+            None if self.allgather is None else np.full(s, self.allgather.mean()),
         )
 
 
@@ -180,6 +190,17 @@ def ring_allreduce_time(grad_bytes, dp: int, bandwidth: float, latency: float = 
     return 2.0 * (dp - 1) / dp * b / float(bandwidth) + float(latency)
 
 
+def ring_allgather_time(param_bytes, dp: int, bandwidth: float, latency: float = 0.0) -> np.ndarray:
+    """Ring all-gather cost per stage: (D-1)/D * bytes / bandwidth + latency, where bytes are
+    the whole parameters each replica ends up with; 0 when D = 1."""
+    b = np.asarray(param_bytes, dtype=float)
+    if dp <= 1:
+        return np.zeros_like(b)
+    if bandwidth <= 0:
+        raise SimInputError("bandwidth must be > 0 bytes/s")
+    return (dp - 1) / dp * b / float(bandwidth) + float(latency)
+
+
 # ---- result -----------------------------------------------------------------------------
 
 
@@ -191,7 +212,7 @@ class SimResult:
     stages_per_rank: int
     dp: int
     microbatches: int
-    iteration_time: float  # end of the last compute op or all-reduce
+    iteration_time: float  # end of the last compute op or all-reduce (or sharded optimizer's all-gather)
     compute_time: float  # end of the last compute op
     busy_s: list[float]  # per pipeline rank: time spent in compute ops
     idle_s: list[float]  # per pipeline rank: iteration_time - busy
@@ -375,6 +396,14 @@ def execute(
                 r = owner[s]
                 chan[r] = max(chan[r], grad_done[s]) + ar[s]
                 iteration = max(iteration, chan[r])
+    if times.allgather is not None and np.any(times.allgather > 0):
+        # the optimizer step waits for the whole model's gradient norm (an all-reduce over the
+        # pipeline ranks once every gradient is reduced), then each rank all-gathers its stages'
+        # parameters, one stage after the other
+        per_rank = [0.0] * p
+        for s, a in enumerate(times.allgather.tolist()):
+            per_rank[owner[s]] += a
+        iteration += max(per_rank)
     return iteration, compute_end, trace
 
 

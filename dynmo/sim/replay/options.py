@@ -1,4 +1,5 @@
-"""What a replay is asked to do: the policies, the `[balance]` knobs, the schedule and the links."""
+"""What a replay is asked to do: the policies, the `[balance]` knobs, the schedule, the links and
+the sharding of the optimizer state."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ STATIC = ("uniform", "params", "profile-once")
 DYNAMIC = ("optimal", "deepspeed", "diffusion-contiguous")
 DEFAULT_POLICIES = (*STATIC, *DYNAMIC, *(f"{b}+repack" for b in DYNAMIC), "oracle")
 GRAD_BYTES_PER_PARAM = 4  # fp32 gradients in the data-parallel all-reduce
+PARAM_BYTES_PER_PARAM = 4  # fp32 parameters in the sharded optimizer's all-gather
+# parallel.shard values the replay models ("full", parameters and gradients sharded too, is not)
+SHARDS = ("none", "optimizer")
 PROFILE_STEPS = 5  # profile-once: steps 1 .. PROFILE_STEPS (step 0 is the warm-up)
 LINK_DELAY_FACTORS = (0.0, 1.0, 2.0, 4.0)  # the paper's network experiment: up to 4x
 
@@ -51,7 +55,11 @@ class ReplayOptions:
     #                          Python); benchmarks/validate_sim.py fits 1.4 ms on this machine's gloo runs
     p2p: str = "eager"
     allreduce_bandwidth: float | None = None  # bytes/s of the dp ring all-reduce; None: not modelled
-    allreduce_latency: float = 0.0
+    allreduce_latency: float = 0.0  # seconds per all-reduce (and per all-gather with shard = "optimizer")
+    # "optimizer": as parallel.shard, the AdamW moments split over the replay's dp replicas (ZeRO-1):
+    # migrations ship the sharded bytes, and with allreduce_bandwidth each step adds the
+    # parameter all-gather after the optimizer step
+    shard: str = "none"
 
     def check(self) -> None:
         try:
@@ -78,6 +86,9 @@ class ReplayOptions:
             raise SimInputError("migration bandwidth must be > 0 bytes/s (use inf for free migrations)")
         if self.microbatches is not None and self.microbatches < 1:
             raise SimInputError("microbatches must be >= 1")
+        if self.shard not in SHARDS:
+            full = " (\"full\", parameters and gradients sharded too, is not modelled)" if self.shard == "full" else ""
+            raise SimInputError(f"shard must be one of {', '.join(SHARDS)}, got {self.shard!r}{full}")
 
 
 def default_policies(trace: Trace, options: ReplayOptions | None = None) -> list[str]:

@@ -91,14 +91,14 @@ def run_dynamic(trace: Trace, runner: Runner, stages: int, balancer: str, do_rep
     links = runner.link_times(stages)  # the same each way: the engine's transfers are symmetric
     loop = DynmoLoop(replace(opts.balance, balancer=balancer, repack=do_repack), microbatches=runner.m,
                      schedule=runner.schedule, stages_per_rank=runner.v, layer_params=h.params,
-                     layer_bytes=h.layer_bytes,
+                     layer_bytes=runner.prior_bytes,
                      transfer=links, transfer_back=links,
                      migration_fixed_s=opts.migration_fixed_s, migration_bandwidth=opts.migration_bandwidth)
     layout = static_layout(opts.initial, trace, stages, runner)
     m = runner.m
     n_steps = len(trace.steps)
     for k, st in enumerate(trace.steps):
-        lbytes = st.state_bytes or h.layer_bytes  # what this step's migration ships
+        lbytes = runner.layer_bytes(k)  # what this step's migration ships
         t0 = time.perf_counter()
         decision = loop.decide(k, layout, n_steps - k)
         decide_s = time.perf_counter() - t0 if opts.charge_decide else 0.0

@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 from dynmo.layout import Layout
-from dynmo.sim.engine import SimInputError, StageTimes, ring_allreduce_time, simulate_plan
-from dynmo.sim.replay.options import GRAD_BYTES_PER_PARAM, ReplayOptions, schedule_of
+from dynmo.loop import BYTES_PER_PARAM, bytes_per_param
+from dynmo.sim.engine import SimInputError, StageTimes, ring_allgather_time, ring_allreduce_time, simulate_plan
+from dynmo.sim.replay.options import GRAD_BYTES_PER_PARAM, PARAM_BYTES_PER_PARAM, ReplayOptions, schedule_of
 from dynmo.sim.replay.result import PolicyResult
 from dynmo.sim.schedules import Plan, build_plan
 from dynmo.sim.trace import Trace
@@ -34,7 +35,24 @@ class Runner:
         per_mb = h.tokens_per_microbatch // seq if h.tokens_per_microbatch and seq else 1
         self.local_batch = per_mb * self.m
         self.params = np.asarray(h.params, dtype=float)
+        self.steps_state_bytes = [s.state_bytes for s in trace.steps]
         self.plans: dict[tuple[int, int], Plan] = {}
+        # What a migrating layer ships, per worker, with the replay's sharding over its dp replicas.
+        # The header's layer_bytes is the unsharded prior (BYTES_PER_PARAM a parameter); a step's
+        # measured state_bytes were held under the traced run's sharding at its dp: both are scaled by
+        # the bytes a parameter takes here over what it took there (1 = as traced, bit for bit).
+        bpp = bytes_per_param(opts.shard, dp)
+        self.prior_bytes = list(h.layer_bytes) if bpp == BYTES_PER_PARAM else \
+            [int(bpp * b / BYTES_PER_PARAM) for b in h.layer_bytes]
+        self.measured_scale = bpp / bytes_per_param(traced_shard(trace), h.dp)
+
+    def layer_bytes(self, k: int) -> list:
+        """What each layer ships if it migrates before step k: the step's measured state bytes
+        when the trace has them, else the prior, both for the replay's sharding."""
+        measured = self.steps_state_bytes[k]
+        if measured is None:
+            return self.prior_bytes
+        return list(measured) if self.measured_scale == 1 else [x * self.measured_scale for x in measured]
 
     def link_times(self, stages: int) -> list[float] | None:
         """Per link j (stage j <-> j+1) of the first `stages` positions: the seconds per
@@ -69,10 +87,13 @@ class Runner:
         f = np.add.reduceat(self.fwd[k], b) * scale
         bw = np.add.reduceat(self.bwd[k], b) * scale
         w = None if self.wgrad is None else np.add.reduceat(self.wgrad[k], b) * scale
-        ar = 0.0
+        ar, ag = 0.0, None
         if self.opts.allreduce_bandwidth and self.dp > 1:
             grad_bytes = np.add.reduceat(self.params, b) * GRAD_BYTES_PER_PARAM
             ar = ring_allreduce_time(grad_bytes, self.dp, self.opts.allreduce_bandwidth, self.opts.allreduce_latency)
+            if self.opts.shard == "optimizer":  # every replica gets the others' updated rows
+                ag = ring_allgather_time(np.add.reduceat(self.params, b) * PARAM_BYTES_PER_PARAM, self.dp,
+                                         self.opts.allreduce_bandwidth, self.opts.allreduce_latency)
         loads = ((f + bw) / scale).tolist()  # per traced-size microbatch, comparable across policies
         o = self.opts.op_overhead
         f, bw = f + o, bw + o
@@ -82,7 +103,7 @@ class Runner:
             d = self.delay[: layout.num_stages - 1]
             f[:-1] += d
             bw[1:] += d
-        times = StageTimes.build(f, bw, m, wgrad=w, comm=self.opts.comm * scale, allreduce=ar)
+        times = StageTimes.build(f, bw, m, wgrad=w, comm=self.opts.comm * scale, allreduce=ar, allgather=ag)
         plan = self.plan(layout.num_stages, m)
         sim = simulate_plan(plan, times, dp=self.dp, p2p=self.opts.p2p, split_bubble=False)
         return sim, loads, plan
@@ -101,3 +122,10 @@ class Runner:
         res.layouts.append(list(layout.boundaries))
         res.workers.append(plan.num_ranks * self.dp)
         res.microbatches.append(m or self.m)
+
+
+def traced_shard(trace: Trace) -> str:
+    """The traced run's `parallel.shard` ("none" for runs before it existed)."""
+    par = trace.header.config.get("parallel")
+    shard = par.get("shard", "none") if isinstance(par, dict) else "none"
+    return shard if isinstance(shard, str) else "none"
