@@ -64,6 +64,27 @@ def check_unit(cfg: Config) -> None:
         raise ConfigError(f"parallel.unit = {unit!r}: choose one of {', '.join(UNITS)}")
 
 
+SHARDS = ("none", "optimizer", "full")
+
+
+def check_shard(cfg: Config) -> None:
+    """`parallel.shard`: what the data-parallel replicas of a stage shard."""
+    shard, dp = cfg.parallel.shard, cfg.parallel.dp
+    if shard not in SHARDS:
+        raise ConfigError(f"parallel.shard = {shard!r}: choose one of {', '.join(SHARDS)}")
+    if shard == "none":
+        return
+    if shard == "full":
+        raise ConfigError("parallel.shard = \"full\" (parameters and gradients sharded too) is not available yet; "
+                          "use parallel.shard = \"optimizer\" (AdamW state sharded over the replicas) or \"none\"")
+    if dp < 2:
+        raise ConfigError(f"parallel.shard = {shard!r} shards over the data-parallel replicas, and parallel.dp = {dp}: "
+                          "set parallel.dp >= 2, or parallel.shard = \"none\"")
+    if cfg.prune.enabled:
+        raise ConfigError(f"parallel.shard = {shard!r} does not work with pruning yet (prune.enabled = true): pruning "
+                          "edits the AdamW moments of whole parameters; use parallel.shard = \"none\"")
+
+
 def validate(cfg: Config, world: int) -> list[str]:
     """Raise ConfigError naming the problem and the fix. `world` = number of ranks.
 
@@ -94,6 +115,7 @@ def validate(cfg: Config, world: int) -> list[str]:
     if v < 1:
         raise ConfigError(f"parallel.virtual_stages must be >= 1, got {v}")
     check_unit(cfg)
+    check_shard(cfg)
     stages = pp * v
     n = num_layers(cfg)
     if stages > n:

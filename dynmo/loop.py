@@ -37,6 +37,13 @@ PIPELINE_BALANCERS = ("optimal", "deepspeed", "diffusion-contiguous", "uniform")
 BYTES_PER_PARAM = 16  # fp32 weights + gradients + AdamW exp_avg and exp_avg_sq: 4 x 4 B
 
 
+def bytes_per_param(shard: str = "none", dp: int = 1) -> float:
+    """What a layer holds per parameter on one worker, and ships when it migrates: fp32 weights
+    and gradients (8 B) and AdamW's two moments (8 B), the moments split over the `dp`
+    data-parallel replicas with `parallel.shard = "optimizer"`."""
+    return BYTES_PER_PARAM - 8 + 8 / dp if shard == "optimizer" and dp > 1 else BYTES_PER_PARAM
+
+
 def check_balance(b: BalanceConfig) -> None:
     """Raise ConfigError naming the first bad `[balance]` value and what to use instead."""
     if b.when not in WHEN:

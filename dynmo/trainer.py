@@ -20,7 +20,7 @@ from dynmo.data import TokenData, prepare
 from dynmo.dynamics.case import Case
 from dynmo.dynamics.registry import CASES
 from dynmo.layout import Layout
-from dynmo.loop import DynmoLoop
+from dynmo.loop import DynmoLoop, bytes_per_param
 from dynmo.model.layers import layer_param_counts
 from dynmo.record import StepRecord
 from dynmo.runtime import checkpoint, faults, probe
@@ -72,8 +72,8 @@ class Trainer:
         speeds, transfer, transfer_back = self._measure_workers()
         self.loop = DynmoLoop(cfg.balance, microbatches=self.pipe.microbatches, schedule=cfg.parallel.schedule,
                               stages_per_rank=cfg.parallel.virtual_stages, layer_params=self.params, speeds=speeds,
-                              transfer=transfer,
-                              transfer_back=transfer_back)
+                              transfer=transfer, transfer_back=transfer_back,
+                              layer_bytes=[int(bytes_per_param(cfg.parallel.shard, cfg.parallel.dp) * n) for n in self.params])
         if self.saved_costs and cfg.balance.cost == "time":
             self.loop.controller.history.append(list(self.saved_costs))  # the starting forecast
 

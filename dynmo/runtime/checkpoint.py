@@ -2,7 +2,11 @@
 
 Keys: `{layer}.{param}` for weights and `optim.{layer}.{param}.{step|exp_avg|exp_avg_sq}` for
 AdamW state, e.g. `block3.attn.qkv.weight`. Each rank saves and loads only its own layers, so
-a run can resume under any layout, number of stages or schedule. `dynmo.json` beside the
+a run can resume under any layout, number of stages or schedule. With `parallel.shard =
+"optimizer"` each data-parallel replica holds its rows of the AdamW moments and stores them as
+one DTensor sharded over its data-parallel group (`dynmo.runtime.zero.stored`): the key is the
+same whole tensor, which DCP reshards on load, so a sharded run resumes unsharded, on another
+number of replicas, and the other way round. `dynmo.json` beside the
 shards records the step, the model shape and the layout it was saved with.
 
 Tied embeddings (`model.tie_embeddings`) are one tensor with a copy on each of two ranks
@@ -28,7 +32,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dynmo import rundir
 from dynmo.config import Config, to_toml
-from dynmo.runtime import faults, optim, safeload
+from dynmo.runtime import faults, optim, safeload, zero
 from dynmo.runtime.pipeline import Pipeline
 
 
@@ -58,7 +62,7 @@ def _state_dict(pipe: Pipeline, with_optim: bool) -> dict[str, torch.Tensor]:
                 st = pipe.optimizer.state.get(p)
                 if st:
                     for key in optim.STATE_KEYS:
-                        sd.setdefault(f"optim.{_key(pipe, i, pname)}.{key}", st[key])
+                        sd.setdefault(f"optim.{_key(pipe, i, pname)}.{key}", zero.stored(pipe.optimizer, p, st[key]))
     return sd
 
 
@@ -209,10 +213,11 @@ def load(pipe: Pipeline, path: Path) -> int:
             for p in layer.parameters():
                 if not p.requires_grad:
                     continue  # frozen: no optimizer state was saved for it
+                rows = zero.state_rows(pipe.optimizer, p)  # p, or this replica's rows of it
                 pipe.optimizer.state[p] = {
                     "step": torch.zeros((), dtype=torch.float32),
-                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg": torch.zeros_like(rows, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(rows, memory_format=torch.preserve_format),
                 }
     sd = _state_dict(pipe, with_optim=meta.get("has_optimizer_state", True))
     # state_dict() tensors share storage with the parameters: DCP loads into them in place.

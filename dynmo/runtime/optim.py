@@ -26,8 +26,12 @@ def param_groups(layers: dict[str, nn.Module], weight_decay: float) -> list[dict
 
 
 def build_optimizer(layers: dict[str, nn.Module], tc: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    return adamw(param_groups(layers, tc.weight_decay), tc, device)
+
+
+def adamw(groups: list[dict], tc: TrainConfig, device: torch.device) -> torch.optim.AdamW:
     return torch.optim.AdamW(
-        param_groups(layers, tc.weight_decay),
+        groups,
         lr=tc.lr,
         betas=(tc.beta1, tc.beta2),
         # Per-tensor kernels on CPU keep the update identical however params are grouped.

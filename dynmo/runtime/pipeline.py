@@ -22,7 +22,7 @@ from dynmo.layout import Layout, LayoutError
 from dynmo.model.gpt import loss_fn
 from dynmo.model.hf import HFReader, load_layer
 from dynmo.model.layers import LayerSpec, build_layer, empty_layer, half_carry, layer_specs
-from dynmo.runtime import grads, optim
+from dynmo.runtime import grads, optim, zero
 from dynmo.runtime.dist import DistContext
 from dynmo.runtime.memory import PeakMemory
 from dynmo.runtime.schedules import schedule_class
@@ -78,7 +78,7 @@ class Pipeline:
         self.hf_read: tuple[int, int] | None = None  # tensors and bytes read from model.hf_path
         self.layers: dict[int, nn.Module] = self._build_layers(self._my_layers(layout))
         self.tie = tied_embeddings(cfg.model, self.specs, ctx, self.placement)  # None unless model.tie_embeddings
-        self.optimizer = optim.build_optimizer(self._named_layers(), cfg.train, ctx.device)
+        self.optimizer = self._new_optimizer()
         # objects with prepare_layer/pack_layer/unpack_layer (dynamic-model cases): the per-layer
         # structure and state that must travel with a migrating layer
         self.layer_extras: list = []
@@ -251,9 +251,16 @@ class Pipeline:
     def rebuild_optimizer(self, states: dict[int, dict]) -> None:
         """A new optimizer over the local layers as they are now (layers arrived or left,
         parameters replaced or frozen), carrying `states` (from `optimizer_states`)."""
-        self.optimizer = optim.build_optimizer(self._named_layers(), self.cfg.train, self.ctx.device)
+        self.optimizer = self._new_optimizer()
         for i, layer in self.layers.items():
             optim.load_layer_state(self.optimizer, layer, states.get(i, {}))
+
+    def _new_optimizer(self):
+        """AdamW over the local layers; with `parallel.shard = "optimizer"` its state holds this
+        replica's rows of each parameter (`dynmo.runtime.zero`)."""
+        ctx = self.ctx
+        return zero.build(self._named_layers(), self.cfg.train, ctx.device, self.cfg.parallel.shard, ctx.dp,
+                          ctx.dp_rank, ctx.dp_group)
 
     def set_microbatches(self, m: int) -> None:
         local = self.cfg.train.global_batch // self.ctx.dp
