@@ -249,3 +249,23 @@ def test_bench_without_sublayer_traces_says_so_in_one_line(tmp_path):
     text = (tmp_path / "bench.md").read_text()
     assert text.count("Skipped: no sublayer trace") == 1
     assert bench.render([], [], [], []).count("Whole blocks against half blocks") == 0  # never replayed: no section
+
+
+def test_half_block_units_reach_every_real_run_and_one_out_holds_one_kind(tmp_path, monkeypatch, capsys):
+    calls = []
+
+    def fake_train(out, config, *extra):
+        calls.append(extra)
+        return [_rec(100.0, step=k) for k in range(8)]
+
+    monkeypatch.setattr(bench.run, "train", fake_train)
+    monkeypatch.setattr(bench.run, "write_real_plots", lambda *a: None)
+    out = tmp_path / "b"
+    assert bench.main(["--out", str(out), "--cases", "moe", "--steps", "8", "--pairs", "1", "--no-sim",
+                       "--unit", "sublayer"]) == 0
+    # every run, the dense model's too, once each
+    assert calls and all(list(extra).count("--parallel.unit") == 1
+                         and extra[list(extra).index("--parallel.unit") + 1] == "sublayer" for extra in calls)
+    assert json.loads((out / "bench.json").read_text())["unit"] == "sublayer"
+    assert bench.main(["--out", str(out), "--cases", "moe", "--no-sim"]) == 2
+    assert "holds runs with parallel.unit = 'sublayer'" in capsys.readouterr().err

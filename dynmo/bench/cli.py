@@ -53,6 +53,7 @@ that failed) is said in the output, not hidden.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -103,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-sim", action="store_true", help="skip the paper-scale simulation")
     ap.add_argument("--dense-only", action="store_true",
                     help="of the real runs, train only the cases' dense models (the other rows are kept)")
+    ap.add_argument("--unit", choices=("block", "sublayer"), default="block",
+                    help="what every real run places (parallel.unit; default block); an OUT holds one kind")
     args = ap.parse_args(argv)
     if args.pairs < 0 or (args.steps is not None and args.steps < PROFILE_STEPS + 2):
         ap.error(f"--pairs must be >= 0 and --steps >= {PROFILE_STEPS + 2}")
@@ -124,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     if (out / "bench.json").is_file():
         try:
             old = json.loads((out / "bench.json").read_text())
+            if old.get("unit", "block") != args.unit:
+                print(f"dynmo bench: {out} holds runs with parallel.unit = {old.get('unit', 'block')!r}; give "
+                      f"--unit {old.get('unit', 'block')} or another --out for {args.unit!r} units", file=sys.stderr)
+                return 2
             old_run = {"command": old.get("command"), "started": old.get("started")}
             kept_real = [r | {"run": r.get("run") or old_run} for r in old.get("real", [])
                          if args.no_real or args.dense_only or r["case"] not in wanted]
@@ -140,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     def write() -> str:
         all_real = _latest_dense(sorted(kept_real + real, key=lambda r: order.get(r["case"], len(order))), dense)
         all_sim = sorted(kept_sim + sim, key=lambda r: order.get(r["case"], len(order)))
-        (out / "bench.json").write_text(json.dumps({"command": argv, "started": started,
+        (out / "bench.json").write_text(json.dumps({"command": argv, "started": started, "unit": args.unit,
                                                     "duration_s": round(time.perf_counter() - t0),
                                                     "real": all_real, "sim": all_sim, "units": units,
                                                     "missing": missing}, indent=1) + "\n")
@@ -150,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
 
     for name in wanted:
         case = known[name]
+        if args.unit != "block":  # every run of the case, its dense model's too, places these units
+            unit = ("--parallel.unit", args.unit)
+            case = dataclasses.replace(case, extra=case.extra + unit, dense_extra=case.dense_extra + unit)
         if not (ROOT / case.config).is_file():
             missing.append(f"{name}: {case.config} does not exist")
             continue
