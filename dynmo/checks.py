@@ -74,15 +74,27 @@ def check_shard(cfg: Config) -> None:
         raise ConfigError(f"parallel.shard = {shard!r}: choose one of {', '.join(SHARDS)}")
     if shard == "none":
         return
-    if shard == "full":
-        raise ConfigError("parallel.shard = \"full\" (parameters and gradients sharded too) is not available yet; "
-                          "use parallel.shard = \"optimizer\" (AdamW state sharded over the replicas) or \"none\"")
     if dp < 2:
         raise ConfigError(f"parallel.shard = {shard!r} shards over the data-parallel replicas, and parallel.dp = {dp}: "
                           "set parallel.dp >= 2, or parallel.shard = \"none\"")
     if cfg.prune.enabled:
         raise ConfigError(f"parallel.shard = {shard!r} does not work with pruning yet (prune.enabled = true): pruning "
                           "edits the AdamW moments of whole parameters; use parallel.shard = \"none\"")
+    if shard != "full":
+        return
+    fix = "use parallel.shard = \"optimizer\" or \"none\""
+    for section, what in (("freeze", "freezing"), ("early_exit", "early exit")):
+        if getattr(cfg, section).enabled:
+            raise ConfigError(f"parallel.shard = \"full\" does not work with {what} yet ({section}.enabled = true): "
+                              f"it changes the parameters of units already sharded; {fix}")
+    if cfg.model.tie_embeddings:
+        raise ConfigError(f"parallel.shard = \"full\" does not work with model.tie_embeddings yet (the two copies' "
+                          f"gradients are summed whole); {fix}")
+    schedule = get_schedule(cfg.parallel.schedule)
+    if schedule.split_backward:
+        raise ConfigError(f"parallel.shard = \"full\" does not work with zero-bubble schedules (parallel.schedule = "
+                          f"{schedule.name!r} computes weight gradients after FSDP has reduced them); use gpipe, 1f1b "
+                          f"or interleaved1f1b, or {fix}")
 
 
 def validate(cfg: Config, world: int) -> list[str]:

@@ -117,8 +117,9 @@ class ParallelConfig:
     # What the pipeline places: "block" (embedding, whole blocks, head) or "sublayer" (each
     # block's attention half and MLP half are two units a stage boundary may fall between)
     unit: str = "block"
-    # What the data-parallel replicas of a stage shard: "none" (each keeps everything) or
-    # "optimizer" (ZeRO-1: each keeps the AdamW state of its rows of every parameter)
+    # What the data-parallel replicas of a stage shard: "none" (each keeps everything),
+    # "optimizer" (ZeRO-1: each keeps the AdamW state of its rows of every parameter) or "full"
+    # (FSDP2: weights, gradients and AdamW state)
     shard: str = "none"
     # Forced re-layouts: "STEP:LAYOUT" entries, applied before that step, e.g. "5:0,3,6,10".
     relayout: list[str] = field(default_factory=list)

@@ -39,9 +39,11 @@ BYTES_PER_PARAM = 16  # fp32 weights + gradients + AdamW exp_avg and exp_avg_sq:
 
 def bytes_per_param(shard: str = "none", dp: int = 1) -> float:
     """What a layer holds per parameter on one worker, and ships when it migrates: fp32 weights
-    and gradients (8 B) and AdamW's two moments (8 B), the moments split over the `dp`
-    data-parallel replicas with `parallel.shard = "optimizer"`."""
-    return BYTES_PER_PARAM - 8 + 8 / dp if shard == "optimizer" and dp > 1 else BYTES_PER_PARAM
+    and gradients (8 B) and AdamW's two moments (8 B), split over the `dp` data-parallel
+    replicas: the moments with `parallel.shard = "optimizer"`, everything with `"full"`."""
+    if dp <= 1 or shard == "none":
+        return BYTES_PER_PARAM
+    return BYTES_PER_PARAM / dp if shard == "full" else BYTES_PER_PARAM - 8 + 8 / dp
 
 
 def check_balance(b: BalanceConfig) -> None:

@@ -111,10 +111,15 @@ class NormSlots:
         return out
 
 
-def clip_grads(layers: dict[int, nn.Module], slots: NormSlots, tie, ctx: DistContext, max_norm: float) -> tuple[float, float]:
+def clip_grads(layers: dict[int, nn.Module], slots: NormSlots, tie, ctx: DistContext, max_norm: float,
+               sharded: bool = False) -> tuple[float, float]:
     """(the whole model's gradient norm, the clipping scale applied). `tie`: the tied
-    embeddings' bookkeeping, or None (a tied tensor counts once)."""
+    embeddings' bookkeeping, or None (a tied tensor counts once). `sharded`: each data-parallel
+    replica holds its shard of every gradient (`parallel.shard = "full"`), whose squared norms
+    add up over the replicas."""
     sq = slots.layer_norms(layers, tie, ctx.device)
+    if sharded and ctx.dp_group is not None:
+        dist.all_reduce(sq, group=ctx.dp_group)
     if ctx.pp > 1:
         # each entry is non-zero on exactly one rank, so the sum is exact
         dist.all_reduce(sq, group=ctx.pp_group)

@@ -3,7 +3,9 @@
 A layer travels as one `Packet` (`dynmo.runtime.transfer`): its weights (`w.`), gradients
 (`g.`), AdamW state per parameter (`o.`), and the per-layer state of each dynamic-model case
 (`x.<case>.`). The receiver builds the layer empty from its spec, lets the cases shape it
-(`prepare_layer`: e.g. an exit classifier), then loads everything.
+(`prepare_layer`: e.g. an exit classifier), then loads everything. Of a sharded layer
+(`parallel.shard = "full"`, `dynmo.runtime.fsdp`) each replica ships its own shards to the
+same replica of the new stage.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch.nn as nn
 from dynmo.config import ModelConfig
 from dynmo.layout import Layout
 from dynmo.model.layers import LayerSpec, empty_layer
-from dynmo.runtime import faults
+from dynmo.runtime import faults, fsdp
 from dynmo.runtime.dist import DistContext
 from dynmo.runtime.transfer import Packet, recv_packet, send_packet
 
@@ -44,34 +46,45 @@ class MigrationReport:
 
 def pack_layer(layer: nn.Module, spec: LayerSpec, state: dict, extras: list) -> Packet:
     """The packet of one layer: weights, gradients, optimizer `state` ({param: {key: tensor}})
-    and each case's (`extras`) per-layer tensors."""
-    tensors = {f"w.{k}": v for k, v in layer.state_dict().items()}
+    and each case's (`extras`) per-layer tensors; of a sharded layer, this replica's shards."""
+    tensors = fsdp.local_state(layer)
+    tensors = {f"w.{k}": v for k, v in tensors.items()}
     for n, p in layer.named_parameters():
         if p.grad is not None:
-            tensors[f"g.{n}"] = p.grad
+            tensors[f"g.{n}"] = fsdp.local(p.grad)
         for k, v in state.get(n, {}).items():
-            tensors[f"o.{n}.{k}"] = v
+            tensors[f"o.{n}.{k}"] = fsdp.local(v)
     for ex in extras:
         tensors |= {f"x.{ex.name}.{k}": v for k, v in ex.pack_layer(spec.index, layer).items()}
     return Packet({"spec": spec}, tensors)
 
 
-def unpack_layer(pkt: Packet, model: ModelConfig, device: torch.device, extras: list) -> tuple[nn.Module, dict]:
-    """(layer, optimizer state) rebuilt from a packet (its spec is `pkt.header["spec"]`)."""
+def unpack_layer(pkt: Packet, model: ModelConfig, device: torch.device, extras: list,
+                 mesh=None) -> tuple[nn.Module, dict]:
+    """(layer, optimizer state) rebuilt from a packet (its spec is `pkt.header["spec"]`); with a
+    `mesh` (`parallel.shard = "full"`), sharded over it from this replica's shards."""
     spec: LayerSpec = pkt.header["spec"]
-    layer = empty_layer(spec, model, device)
+    layer = empty_layer(spec, model, device) if mesh is None else fsdp.empty_sharded(spec, model, device, mesh)
     for ex in extras:  # structure first (e.g. an exit classifier), so the weights fit
         ex.prepare_layer(spec.index, layer)
     weights = {k[2:]: v for k, v in pkt.tensors.items() if k.startswith("w.")}
-    layer.load_state_dict(weights, strict=True)
-    params = dict(layer.named_parameters())
+    if mesh is None:
+        layer.load_state_dict(weights, strict=True)
+    else:
+        fsdp.load_local(layer, weights)
     state: dict[str, dict] = {}
+    grads: dict[str, dict] = {}
     for k, v in pkt.tensors.items():
         if k.startswith("g."):
-            params[k[2:]].grad = v
+            grads[k[2:]] = {"grad": v}
         elif k.startswith("o."):
             pname, key = k[2:].rsplit(".", 1)
             state.setdefault(pname, {})[key] = v
+    if mesh is not None:
+        state, grads = fsdp.as_sharded_state(layer, state), fsdp.as_sharded_state(layer, grads)
+    params = dict(layer.named_parameters())
+    for n, g in grads.items():
+        params[n].grad = g["grad"]
     for ex in extras:
         pre = f"x.{ex.name}."
         ex.unpack_layer(spec.index, layer, {k[len(pre):]: v for k, v in pkt.tensors.items() if k.startswith(pre)})
@@ -80,7 +93,7 @@ def unpack_layer(pkt: Packet, model: ModelConfig, device: torch.device, extras: 
 
 def exchange_layers(specs: list[LayerSpec], layers: dict[int, nn.Module], states: dict[int, dict], src_rank: list[int],
                     dst_rank: list[int], old: Layout, new: Layout, ctx: DistContext, model: ModelConfig, extras: list,
-                    report: MigrationReport) -> None:
+                    report: MigrationReport, mesh=None) -> None:
     """Ship every layer whose rank changes from `src_rank` to `dst_rank`, with its optimizer
     `states`; `layers`, `states` and `specs` are updated in place, the moves and the bytes
     received recorded in `report`. Call on every rank of the pipeline group: every rank walks
@@ -103,4 +116,4 @@ def exchange_layers(specs: list[LayerSpec], layers: dict[int, nn.Module], states
             report.bytes += pkt.nbytes  # counted where received: a released sender leaves
             spec = pkt.header["spec"]
             specs[spec.index] = spec  # before the layer is built: the cases shape it from its spec
-            layers[i], states[i] = unpack_layer(pkt, model, dev, extras)
+            layers[i], states[i] = unpack_layer(pkt, model, dev, extras, mesh)

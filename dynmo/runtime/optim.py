@@ -54,13 +54,19 @@ def layer_state_bytes(opt: torch.optim.Optimizer, layer: nn.Module) -> int:
     """Bytes a layer holds: weights, gradients and optimizer state."""
     total = 0
     for p in layer.parameters():
-        total += p.numel() * p.element_size()
+        total += _bytes(p)
         if p.grad is not None:
-            total += p.grad.numel() * p.grad.element_size()
+            total += _bytes(p.grad)
         for v in opt.state.get(p, {}).values():
             if isinstance(v, torch.Tensor):
-                total += v.numel() * v.element_size()
+                total += _bytes(v)
     return total
+
+
+def _bytes(t: torch.Tensor) -> int:
+    """Bytes this worker holds of `t`: of a sharded tensor (DTensor), its own shard."""
+    t = _local(t)
+    return t.numel() * t.element_size()
 
 
 def lr_at(step: int, tc: TrainConfig) -> float:
@@ -86,9 +92,15 @@ def layer_sq_norm(layer: nn.Module, skip: tuple[str, ...] = ()) -> torch.Tensor:
 
 def param_sq_norms(layer: nn.Module, skip: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     """{parameter name: squared L2 norm of its gradient}, in parameter order, for the parameters
-    that have a gradient and are not in `skip`."""
-    return {n: p.grad.detach().float().pow(2).sum() for n, p in layer.named_parameters()
+    that have a gradient and are not in `skip` (of a sharded gradient, its local shard's)."""
+    return {n: _local(p.grad).detach().float().pow(2).sum() for n, p in layer.named_parameters()
             if p.grad is not None and n not in skip}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This worker's shard of a sharded tensor (a DTensor: its squared norm is summed over the
+    replicas by the caller), any other tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def clip_coefficient(layer_sq_norms: torch.Tensor, max_norm: float) -> tuple[float, float]:

@@ -22,7 +22,7 @@ from dynmo.layout import Layout, LayoutError
 from dynmo.model.gpt import loss_fn
 from dynmo.model.hf import HFReader, load_layer
 from dynmo.model.layers import LayerSpec, build_layer, empty_layer, half_carry, layer_specs
-from dynmo.runtime import grads, optim, zero
+from dynmo.runtime import fsdp, grads, optim, zero
 from dynmo.runtime.dist import DistContext
 from dynmo.runtime.memory import PeakMemory
 from dynmo.runtime.schedules import schedule_class
@@ -76,7 +76,12 @@ class Pipeline:
         self.memory = PeakMemory(ctx.device)
         self.released = False  # set when a re-pack took all this rank's layers away
         self.hf_read: tuple[int, int] | None = None  # tensors and bytes read from model.hf_path
+        # parallel.shard = "full": every unit sharded over this stage's replicas (dynmo.runtime.fsdp)
+        self.mesh = fsdp.mesh_of(ctx.dp_group, ctx.device) if cfg.parallel.shard == "full" else None
         self.layers: dict[int, nn.Module] = self._build_layers(self._my_layers(layout))
+        if self.mesh is not None:
+            for layer in self.layers.values():
+                fsdp.shard(layer, self.mesh)
         self.tie = tied_embeddings(cfg.model, self.specs, ctx, self.placement)  # None unless model.tie_embeddings
         self.optimizer = self._new_optimizer()
         # objects with prepare_layer/pack_layer/unpack_layer (dynamic-model cases): the per-layer
@@ -158,8 +163,10 @@ class Pipeline:
         grads.scale_grads(self.layers, self.microbatches)
         if self.tie is not None:  # both copies of a tied embedding get g_E + g_L
             self.tie.sum_grads(self.layers)
-        grads.sync_data_parallel(self.layers, self.ctx)
-        grad_norm, _ = grads.clip_grads(self.layers, self.norm_slots, self.tie, self.ctx, self.cfg.train.grad_clip)
+        if self.mesh is None:  # sharded units: FSDP reduce-scattered and averaged them already
+            grads.sync_data_parallel(self.layers, self.ctx)
+        grad_norm, _ = grads.clip_grads(self.layers, self.norm_slots, self.tie, self.ctx, self.cfg.train.grad_clip,
+                                        sharded=self.mesh is not None)
         lr = optim.lr_at(step, self.cfg.train)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
@@ -222,7 +229,7 @@ class Pipeline:
         t0 = time.perf_counter()
         states = self.optimizer_states()
         exchange_layers(self.specs, self.layers, states, self.layer_ranks(old), dst_rank, old, new, self.ctx,
-                        self.cfg.model, self.layer_extras, report)
+                        self.cfg.model, self.layer_extras, report, mesh=self.mesh)
         self.layout = new
         if repack:
             stay = self.ctx.shrink_ranks(keep)
@@ -234,6 +241,8 @@ class Pipeline:
                 report.seconds = time.perf_counter() - t0
                 return report
             self.ctx = ctx
+            if self.mesh is not None:  # layers arriving later shard over the new group
+                self.mesh = fsdp.mesh_of(ctx.dp_group, ctx.device)
             self.num_stages = new.num_stages
             self.placement = stage_to_rank(self.num_stages, ctx.pp, self.schedule_info.placement)
             self.tie = tied_embeddings(self.cfg.model, self.specs, ctx, self.placement)  # the head's rank moved
