@@ -67,8 +67,9 @@ def test_sharded_state_trains_as_unsharded_migrates_repacks_and_reshards_on_load
     losses and every weight and AdamW tensor of the unsharded run, bit for bit, a quarter less
     state per worker, less shipped per move; everything sharded (FSDP2): the same to 1e-6, half
     the state. The checkpoints resume unsharded on one replica, fully sharded again, and export."""
-    steps, common = 8, ["--steps", "8", *LLAMA, "--parallel.dp", "2", "--parallel.relayout", "2:0,2,6;5:0,6",
-                        "--checkpoint.final", "true"]
+    steps = 10
+    common = ["--steps", str(steps), *LLAMA, "--parallel.dp", "2", "--parallel.relayout", "2:0,2,6;5:0,6",
+              "--checkpoint.final", "true"]
     sharded, whole, full = tmp_path / "sharded", tmp_path / "whole", tmp_path / "full"
     run_train(sharded, *common, "--parallel.shard", "optimizer", "--checkpoint.every", "4", nproc=4)
     run_train(whole, *common, nproc=4)
@@ -98,7 +99,7 @@ def test_sharded_state_trains_as_unsharded_migrates_repacks_and_reshards_on_load
     run_train(again, "--steps", str(steps), *LLAMA, "--parallel.dp", "2", "--parallel.shard", "full",
               "--checkpoint.resume", str(one / "checkpoint-6"), "--parallel.layout", "0,3,6", nproc=4)
     resumed = metrics(one)[:2] + metrics(again)
-    assert [r["step"] for r in resumed] == [4, 5, 6, 7]
+    assert [r["step"] for r in resumed] == list(range(4, steps))
     # one replica sums the gradient in another order than two: equal to float32 rounding
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in a[4:]], abs=1e-6)
 
