@@ -60,7 +60,8 @@ def final_weights(ckpt: Path, tmp: Path) -> dict[str, torch.Tensor]:
     (LLAMA, 3, "2:0,2,7,10;4:0,5,8,10"),
     (MIXTRAL, 2, "2:0,3,10;4:0,8,10"),
     (["--model.block", "hashattn"], 2, "3:0,6,10"),
-], ids=["gpt", "llama-3-ranks", "mixtral", "hashattn"])
+    (["--model.block", "moe"], 2, "2:0,5,10"),
+], ids=["gpt", "llama-3-ranks", "mixtral", "hashattn", "moe"])
 def test_sublayer_units_train_bitwise_as_the_single_model_through_relayouts_that_split_blocks(
         tmp_path, family, nproc, relayout):
     """The pipeline on half-block units, moved mid-block with its weights and AdamW state,
