@@ -1,6 +1,8 @@
-"""Sharded optimizer state (`parallel.shard = "optimizer"`) in the simulator and the trace replay:
-migrations ship the sharded bytes, each step adds the parameter all-gather after the optimizer
-step (only where the data-parallel all-reduce is modelled), and `shard = "none"` replays as before."""
+"""Sharding over the data-parallel replicas in the simulator and the trace replay. `parallel.shard =
+"optimizer"`: migrations ship the sharded bytes, each step adds the parameter all-gather after the
+optimizer step (only where the data-parallel all-reduce is modelled). `"full"`: migrations ship 16/dp
+bytes a parameter, and (with a bandwidth) each forward op adds its units' all-gathers, each backward op
+their all-gathers and reduce-scatters, with no all-reduce. `shard = "none"` replays as before."""
 
 from __future__ import annotations
 
@@ -172,7 +174,7 @@ def test_ring_allgather_time():
 
 def test_bad_shard_is_refused():
     t = make_trace()
-    for bad in ("full", "params", ""):
+    for bad in ("zero3", "params", "", None):
         with pytest.raises(SimInputError, match="shard"):
             replay(t, 3, 2, ["uniform"], ReplayOptions(shard=bad))
 
@@ -195,6 +197,152 @@ def test_cli_shard(tmp_path, capsys):
     assert "sharded" not in plain and "reduce-scatter" not in plain
     assert dynmo_main(base + ["--shard", "optimizer", "--json", "--indent", "0"]) == 0
     assert json.loads(capsys.readouterr().out)["replay"]["shard"] == "optimizer"
-    for bad, msg in (("full", "not modelled"), ("zero3", "--shard must be one of none, optimizer")):
-        assert dynmo_main(base + ["--shard", bad]) == 2
-        assert msg in capsys.readouterr().err
+    assert dynmo_main(base + ["--shard", "zero3"]) == 2
+    assert "--shard must be one of none, optimizer, full" in capsys.readouterr().err
+
+
+# ---- parallel.shard = "full" ------------------------------------------------------------------
+
+
+def fsdp_s(lay, dp, bw, lat) -> list[float]:
+    """One FSDP collective per stage of `lay`: each unit (layer) its own, (dp-1)/dp x 4 B a parameter
+    / bw + lat, summed over the stage's units."""
+    return [sum((dp - 1) / dp * 4 * PARAMS[j] / bw + lat for j in range(lay[i], lay[i + 1]))
+            for i in range(len(lay) - 1)]
+
+
+@pytest.mark.parametrize("measured", [False, True])
+@pytest.mark.parametrize("dp", [2, 4, 8])
+def test_full_sharding_ships_one_dp_th_of_the_bytes(measured, dp):
+    """Weights, gradients and both moments split over dp: 16/dp bytes a parameter, 1/dp of the
+    unsharded bytes (nearly free migrations, so both replays decide the same moves)."""
+    assert bytes_per_param("full", dp) == BYTES_PER_PARAM / dp
+    t = make_trace(measured)
+    kw = dict(migration_bandwidth=2.0**40, migration_fixed_s=0.0)
+    (plain,) = replay(t, 3, dp, ["optimal"], options(**kw))
+    (full,) = replay(t, 3, dp, ["optimal"], options(shard="full", **kw))
+    assert plain.migrations >= 1 and full.layouts == plain.layouts
+    assert full.migration_s == plain.migration_s / dp
+    runner = Runner(t, dp, ReplayOptions(shard="full"), 3)
+    assert runner.prior_bytes == [16 * p // dp for p in PARAMS]
+    want = [(16 * p + 16) / dp for p in PARAMS] if measured else runner.prior_bytes
+    assert runner.layer_bytes(0) == want
+
+
+def test_a_fully_sharded_runs_measured_bytes_are_taken_as_recorded():
+    """A full run at dp 4 records 16/4 B a parameter: replayed full at dp 4 as recorded, unsharded
+    4 times them, full at dp 8 half of them, optimizer-sharded at dp 4 (8 + 2) / 4 of them."""
+    t = make_trace(measured=True, dp=4, shard="full")
+    recorded = t.steps[0].state_bytes
+    assert recorded == [4 * p + 16 for p in PARAMS]
+    assert Runner(t, 4, ReplayOptions(shard="full"), 3).layer_bytes(0) == recorded
+    assert Runner(t, 4, ReplayOptions(), 3).layer_bytes(0) == [x * 4.0 for x in recorded]
+    assert Runner(t, 8, ReplayOptions(shard="full"), 3).layer_bytes(0) == [x * 0.5 for x in recorded]
+    assert Runner(t, 4, ReplayOptions(shard="optimizer"), 3).layer_bytes(0) == [x * 2.5 for x in recorded]
+    assert Runner(t, 1, ReplayOptions(shard="full"), 3).prior_bytes == t.header.layer_bytes
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_full_one_stage_grows_by_the_collectives_and_drops_the_all_reduce(dp):
+    """One stage (no bubble): a step is m x (fwd + bwd), plus the all-reduce unsharded, plus per
+    microbatch an all-gather in the forward and an all-gather and a reduce-scatter in the backward
+    with full sharding -- and no all-reduce."""
+    t = make_trace()
+    bw, lat = 1e9, 1e-4
+    lay = Layout((0, 10))
+
+    def sim(**kw):
+        return Runner(t, dp, options(allreduce_latency=lat, **kw), 1).simulate(3, lay)[0]
+
+    compute = sim().iteration_time
+    ar = 2 * (dp - 1) / dp * 4 * sum(PARAMS) / bw + lat
+    (one,) = fsdp_s([0, 10], dp, bw, lat)
+    assert sim(allreduce_bandwidth=bw).iteration_time == pytest.approx(compute + ar, rel=1e-12)
+    full = sim(allreduce_bandwidth=bw, shard="full")
+    assert full.iteration_time == pytest.approx(compute + 4 * 3 * one, rel=1e-12)
+    assert full.compute_time == full.iteration_time  # nothing after the last backward: no all-reduce
+    assert sim(shard="full").iteration_time == compute  # no bandwidth: nothing added
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "interleaved"])
+@pytest.mark.parametrize("dp", [2, 4])
+def test_full_charges_the_collectives_inside_the_ops(schedule, dp):
+    """Every replayed step equals the engine's run of the same stage times with each forward op
+    longer by its stage's all-gather, each backward op by an all-gather and a reduce-scatter, and no
+    all-reduce; each rank is busy m x 3 x its stages' collective longer than without them."""
+    t = make_trace()
+    bw, lat, m = 1e9, 1e-4, 4
+    stages = 4 if schedule == "interleaved" else 3
+    kw = dict(schedule=schedule, allreduce_latency=lat, migration_bandwidth=float("inf"))
+    results = {r.policy: r for r in replay(t, stages, dp, ["uniform", "optimal"],
+                                           options(allreduce_bandwidth=bw, shard="full", **kw))}
+    runner = Runner(t, dp, options(**kw), stages)  # no bandwidth, unsharded: compute only
+    fwd, bwd = t.fwd(), t.bwd()
+    grew = False
+    for res in results.values():
+        for k, lay in enumerate(res.layouts):
+            ag = np.asarray(fsdp_s(lay, dp, bw, lat))
+            f = np.add.reduceat(fwd[k], lay[:-1])
+            b = np.add.reduceat(bwd[k], lay[:-1])
+            plan = runner.plan(stages)
+            want = simulate_plan(plan, StageTimes.build(f + ag, b + 2 * ag, m), dp=dp, p2p="eager", split_bubble=False)
+            assert res.iteration_s[k] == pytest.approx(want.iteration_time, rel=1e-12)
+            base = runner.simulate(k, Layout(tuple(lay)))[0]
+            per_rank = [sum(3 * m * ag[s] for s in range(stages) if plan.stage_rank[s] == r)
+                        for r in range(plan.num_ranks)]
+            full = Runner(t, dp, options(allreduce_bandwidth=bw, shard="full", **kw), stages).simulate(
+                k, Layout(tuple(lay)))[0]
+            assert full.busy_s == pytest.approx([x + y for x, y in zip(base.busy_s, per_rank)], rel=1e-12)
+            grew |= full.iteration_time > base.iteration_time
+    assert grew
+
+
+def test_full_adds_nothing_without_bandwidth_or_replicas():
+    t = make_trace()
+    for dp, bw in ((4, None), (1, 1e9)):
+        (a,) = replay(t, 3, dp, ["uniform"], options(allreduce_bandwidth=bw))
+        (b,) = replay(t, 3, dp, ["uniform"], options(allreduce_bandwidth=bw, shard="full"))
+        assert b.iteration_s == a.iteration_s
+    assert Runner(t, 4, options(shard="full"), 3).fsdp_collective_s([0, 4, 7]) == 0.0
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "interleavedzb"])
+def test_full_with_zero_bubble_schedules_is_refused(schedule):
+    """As the runtime refuses them: their separate weight-gradient pass runs after FSDP's reduce-scatter."""
+    with pytest.raises(SimInputError, match="zero-bubble"):
+        replay(make_trace(), 4, 2, ["uniform"], options(shard="full", schedule=schedule))
+
+
+def test_cli_shard_full(tmp_path, capsys):
+    t = make_trace()
+    path = tmp_path / "t.jsonl"
+    t.write(path)
+    base = ["simulate", "--trace", str(path), "--stages", "3", "--dp", "4", "--policies", "uniform,optimal",
+            "--when", "dynamism", "--no-decide-time", "--shard", "full"]
+    assert dynmo_main(base) == 0
+    out = capsys.readouterr().out
+    assert "weights, gradients and optimizer state sharded over the 4 replicas (FSDP2)" in out
+    assert ("not modelled: FSDP collectives: each unit's parameter all-gathers before its forward and its "
+            "backward and its gradient reduce-scatter, per microbatch (give --allreduce-bandwidth bytes/s)") in out
+    assert "all-reduce" not in out and "per-worker memory" in out
+    assert dynmo_main(base + ["--allreduce-bandwidth", "1e9"]) == 0
+    out = capsys.readouterr().out
+    assert "FSDP collectives:" not in out and "overlap of the FSDP collectives with compute" in out
+    assert "what-if" not in out and "the traced run sharded fully" not in out
+    assert dynmo_main(base + ["--json", "--indent", "0"]) == 0
+    assert json.loads(capsys.readouterr().out)["replay"]["shard"] == "full"
+    assert dynmo_main(base + ["--schedule", "zbv", "--stages", "4"]) == 2
+    assert "zero-bubble" in capsys.readouterr().err
+
+
+def test_cli_shard_full_notes_what_the_runtime_refuses_and_a_full_trace(tmp_path, capsys):
+    t = make_trace(dp=4, shard="full")
+    t.header.case = "prune+freeze"
+    path = tmp_path / "t.jsonl"
+    t.write(path)
+    base = ["simulate", "--trace", str(path), "--stages", "3", "--dp", "4", "--policies", "uniform",
+            "--no-decide-time", "--shard", "full", "--allreduce-bandwidth", "1e9"]
+    assert dynmo_main(base) == 0
+    out = capsys.readouterr().out
+    assert "pruning and freezing with parallel.shard = \"full\": the runtime does not run it yet (a what-if)" in out
+    assert "the traced run sharded fully at dp 4" in out

@@ -118,9 +118,11 @@ def _parser() -> ArgumentParser:
     r.add_argument("--allreduce-bandwidth", type=float, help="bytes/s of the dp gradient ring all-reduce "
                    "(default: not modelled)")
     r.add_argument("--allreduce-latency", type=float, default=0.0, help="seconds per all-reduce")
-    r.add_argument("--shard", default="none", help="none (default) or optimizer: AdamW state sharded over the dp "
-                   "replicas (as parallel.shard): sharded migration bytes, and with --allreduce-bandwidth the "
-                   "parameter all-gather after each step")
+    r.add_argument("--shard", default="none", help="none (default), optimizer or full, as parallel.shard: what the "
+                   "dp replicas shard (optimizer: the AdamW state; full: weights, gradients and AdamW state, "
+                   "FSDP2): sharded migration bytes, and with --allreduce-bandwidth optimizer's parameter "
+                   "all-gather after each step, full's per-microbatch all-gathers and reduce-scatters in place "
+                   "of the all-reduce")
     r.add_argument("--plots", metavar="DIR", help="write PNG plots to DIR")
     r.add_argument("--json", action="store_true", help="print JSON instead of the table")
     r.add_argument("--save-trace", metavar="FILE", help="write the (converted or scaled) trace to FILE")
@@ -310,10 +312,7 @@ def _check_replay_args(args: argparse.Namespace) -> list[str] | None:
     if args.allreduce_bandwidth is not None:
         number("--allreduce-bandwidth", args.allreduce_bandwidth, positive=True)
     number("--allreduce-latency", args.allreduce_latency)
-    if args.shard == "full":
-        raise InputError("--shard full (parameters and gradients sharded too) is not modelled; "
-                         "choose none or optimizer")
-    choice("--shard", args.shard, ("none", "optimizer"))
+    choice("--shard", args.shard, ("none", "optimizer", "full"))
     if args.policies is None:
         return None
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -413,7 +412,9 @@ def _replay_main(args: argparse.Namespace) -> int:
           f"{info['steps']} steps, dynamism at steps {info['dynamism_steps'] or 'none'}")
     print(f"replay: {shape['schedule']}, {shape['stages']} stages on {shape['ranks']} ranks x {shape['dp']} dp "
           f"= {shape['workers']} workers, {shape['microbatches']} microbatches, controller when={opts.balance.when}"
-          + (f", optimizer state sharded over the {shape['dp']} replicas" if opts.shard == "optimizer" else ""))
+          + {"optimizer": f", optimizer state sharded over the {shape['dp']} replicas",
+             "full": f", weights, gradients and optimizer state sharded over the {shape['dp']} replicas (FSDP2)"}
+          .get(opts.shard, ""))
     print(summary_table(results))
     print("speedup: total time of static uniform / this policy's (migrations and decide time included); "
           "/worker: the same per worker-second; bottleneck: mean slowest stage per microbatch")
@@ -459,15 +460,26 @@ def _missing(trace, opts, shape) -> list[str]:
     """What this replay leaves out, said in the output."""
     out = []
     sharded = opts.shard == "optimizer" and shape["dp"] > 1
+    full = opts.shard == "full" and shape["dp"] > 1
     if shape["dp"] > 1 and not opts.allreduce_bandwidth:
-        out.append("data-parallel gradient all-reduce" + (" and the sharded optimizer's parameter all-gather"
-                   if sharded else "") + " (give --allreduce-bandwidth bytes/s)")
+        if full:
+            out.append("FSDP collectives: each unit's parameter all-gathers before its forward and its backward and "
+                       "its gradient reduce-scatter, per microbatch (give --allreduce-bandwidth bytes/s)")
+        else:
+            out.append("data-parallel gradient all-reduce" + (" and the sharded optimizer's parameter all-gather"
+                       if sharded else "") + " (give --allreduce-bandwidth bytes/s)")
     if sharded:
         out.append("sharding beyond the optimizer state (weights and gradients stay whole on every replica), "
                    "reduce-scatter (the gradients are all-reduced, as the runtime does) and per-worker memory "
                    "(the saving shows in migration bytes only)")
         if "prune" in trace.header.case:
             out.append("pruning with a sharded optimizer: the runtime does not run it yet (a what-if)")
+    if full:
+        out.append(_full_missing(trace, opts))
+        refused = _full_refused(trace)
+        if refused:
+            out.append(f"{' and '.join(refused)} with parallel.shard = \"full\": the runtime does not run it yet "
+                       "(a what-if)")
     if "freeze" in trace.header.case and _measured_bytes_rescaled(trace, opts, shape["dp"]):
         out.append("frozen layers' missing AdamW state: the traced run's measured state bytes are rescaled to "
                    "this replay's sharding as if every layer held weights, gradients and both moments")
@@ -483,6 +495,29 @@ def _missing(trace, opts, shape) -> list[str]:
         out.append("re-packing: the runtime re-packs only with one stage per rank, so +repack policies are left out")
     out.append("per-layer cost changes caused by the placement itself (costs are replayed as traced)")
     return out
+
+
+def _full_missing(trace, opts) -> str:
+    """What the replay leaves out of parallel.shard = "full"."""
+    from dynmo.sim.replay.runner import traced_shard
+
+    s = "per-worker memory, the units being gathered included (the saving shows in migration bytes only)"
+    if opts.allreduce_bandwidth:
+        s = ("overlap of the FSDP collectives with compute (each runs inside its forward or backward op; FSDP2's "
+             "prefetch is not modelled), " + s)
+        if traced_shard(trace) == "full":
+            s += (f"; the traced run sharded fully at dp {trace.header.dp}: its measured layer times hold its own "
+                  "collectives, and the modelled ones come on top")
+    return s
+
+
+def _full_refused(trace) -> list[str]:
+    """The traced run's features the runtime refuses with parallel.shard = "full"."""
+    case = trace.header.case
+    model = trace.header.config.get("model")
+    tied = isinstance(model, dict) and model.get("tie_embeddings") is True
+    return [what for what, on in (("pruning", "prune" in case), ("freezing", "freeze" in case),
+                                  ("early exit", "early-exit" in case), ("tied embeddings", tied)) if on]
 
 
 def _measured_bytes_rescaled(trace, opts, dp: int) -> bool:

@@ -1,5 +1,5 @@
 """What a replay is asked to do: the policies, the `[balance]` knobs, the schedule, the links and
-the sharding of the optimizer state."""
+what the data-parallel replicas shard."""
 
 from __future__ import annotations
 
@@ -19,9 +19,8 @@ STATIC = ("uniform", "params", "profile-once")
 DYNAMIC = ("optimal", "deepspeed", "diffusion-contiguous")
 DEFAULT_POLICIES = (*STATIC, *DYNAMIC, *(f"{b}+repack" for b in DYNAMIC), "oracle")
 GRAD_BYTES_PER_PARAM = 4  # fp32 gradients in the data-parallel all-reduce
-PARAM_BYTES_PER_PARAM = 4  # fp32 parameters in the sharded optimizer's all-gather
-# parallel.shard values the replay models ("full", parameters and gradients sharded too, is not)
-SHARDS = ("none", "optimizer")
+PARAM_BYTES_PER_PARAM = 4  # fp32 parameters (and gradients) in the sharded runs' all-gathers (reduce-scatters)
+SHARDS = ("none", "optimizer", "full")  # the parallel.shard values, all modelled
 PROFILE_STEPS = 5  # profile-once: steps 1 .. PROFILE_STEPS (step 0 is the warm-up)
 LINK_DELAY_FACTORS = (0.0, 1.0, 2.0, 4.0)  # the paper's network experiment: up to 4x
 
@@ -55,10 +54,12 @@ class ReplayOptions:
     #                          Python); benchmarks/validate_sim.py fits 1.4 ms on this machine's gloo runs
     p2p: str = "eager"
     allreduce_bandwidth: float | None = None  # bytes/s of the dp ring all-reduce; None: not modelled
-    allreduce_latency: float = 0.0  # seconds per all-reduce (and per all-gather with shard = "optimizer")
-    # "optimizer": as parallel.shard, the AdamW moments split over the replay's dp replicas (ZeRO-1):
-    # migrations ship the sharded bytes, and with allreduce_bandwidth each step adds the
-    # parameter all-gather after the optimizer step
+    allreduce_latency: float = 0.0  # seconds per all-reduce (and per sharded run's all-gather, reduce-scatter)
+    # as parallel.shard, over the replay's dp replicas; migrations ship the sharded bytes, and with
+    # allreduce_bandwidth: "optimizer", the AdamW moments split (ZeRO-1): each step adds the parameter
+    # all-gather after the optimizer step; "full", weights, gradients and moments split (FSDP2, every
+    # unit its own root): no gradient all-reduce, each forward op adds its units' all-gathers and
+    # each backward op their all-gathers and reduce-scatters
     shard: str = "none"
 
     def check(self) -> None:
@@ -87,8 +88,7 @@ class ReplayOptions:
         if self.microbatches is not None and self.microbatches < 1:
             raise SimInputError("microbatches must be >= 1")
         if self.shard not in SHARDS:
-            full = " (\"full\", parameters and gradients sharded too, is not modelled)" if self.shard == "full" else ""
-            raise SimInputError(f"shard must be one of {', '.join(SHARDS)}, got {self.shard!r}{full}")
+            raise SimInputError(f"shard must be one of {', '.join(SHARDS)}, got {self.shard!r}")
 
 
 def default_policies(trace: Trace, options: ReplayOptions | None = None) -> list[str]:

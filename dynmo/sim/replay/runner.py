@@ -20,6 +20,10 @@ class Runner:
         h = trace.header
         self.opts, self.dp = opts, dp
         self.schedule, self.v = schedule_of(trace, opts)
+        if opts.shard == "full" and "ZeroBubble" in self.schedule:
+            # as the runtime: the separate weight-gradient pass would run after FSDP reduced the gradients
+            raise SimInputError(f"shard = \"full\" does not work with the zero-bubble schedules ({self.schedule}), "
+                                "as in the runtime; replay another schedule (e.g. 1F1B or Interleaved1F1B)")
         self.delay = None  # injected delay per link (stage j <-> j+1), on the replay's stages
         if opts.link_delay is not None:
             self.delay = np.asarray(opts.link_delay, dtype=float)
@@ -54,6 +58,18 @@ class Runner:
             return self.prior_bytes
         return list(measured) if self.measured_scale == 1 else [x * self.measured_scale for x in measured]
 
+    def fsdp_collective_s(self, starts) -> np.ndarray | float:
+        """Per stage (first layers `starts`), the seconds of one FSDP collective over its units with
+        `shard = "full"`: every unit (trace layer) is its own FSDP root, so its own all-gather of its
+        fp32 weights, (D-1)/D x 4 B a parameter / bandwidth + latency, summed over the stage's units.
+        A ring reduce-scatter of the gradients moves the same bytes and costs the same. 0 without
+        --allreduce-bandwidth or with one replica."""
+        if self.opts.shard != "full" or not self.opts.allreduce_bandwidth or self.dp <= 1:
+            return 0.0
+        per_unit = ring_allgather_time(self.params * PARAM_BYTES_PER_PARAM, self.dp, self.opts.allreduce_bandwidth,
+                                       self.opts.allreduce_latency)
+        return np.add.reduceat(per_unit, np.asarray(starts))
+
     def link_times(self, stages: int) -> list[float] | None:
         """Per link j (stage j <-> j+1) of the first `stages` positions: the seconds per
         microbatch and direction, as the runtime's probe measures them -- comm + delay_j,
@@ -87,16 +103,23 @@ class Runner:
         f = np.add.reduceat(self.fwd[k], b) * scale
         bw = np.add.reduceat(self.bwd[k], b) * scale
         w = None if self.wgrad is None else np.add.reduceat(self.wgrad[k], b) * scale
-        ar, ag = 0.0, None
+        ar, ag, fsdp = 0.0, None, 0.0
         if self.opts.allreduce_bandwidth and self.dp > 1:
-            grad_bytes = np.add.reduceat(self.params, b) * GRAD_BYTES_PER_PARAM
-            ar = ring_allreduce_time(grad_bytes, self.dp, self.opts.allreduce_bandwidth, self.opts.allreduce_latency)
+            if self.opts.shard == "full":  # FSDP reduce-scatters the gradients instead: no all-reduce
+                fsdp = self.fsdp_collective_s(b)
+            else:
+                grad_bytes = np.add.reduceat(self.params, b) * GRAD_BYTES_PER_PARAM
+                ar = ring_allreduce_time(grad_bytes, self.dp, self.opts.allreduce_bandwidth,
+                                         self.opts.allreduce_latency)
             if self.opts.shard == "optimizer":  # every replica gets the others' updated rows
                 ag = ring_allgather_time(np.add.reduceat(self.params, b) * PARAM_BYTES_PER_PARAM, self.dp,
                                          self.opts.allreduce_bandwidth, self.opts.allreduce_latency)
         loads = ((f + bw) / scale).tolist()  # per traced-size microbatch, comparable across policies
         o = self.opts.op_overhead
-        f, bw = f + o, bw + o
+        # with shard = "full", per microbatch: the units' weights all-gathered before the forward, and
+        # again before the backward, whose gradients are then reduce-scattered, each inside its op (no
+        # overlap with compute); the weights do not grow with a re-tuned microbatch's size
+        f, bw = f + o + fsdp, bw + o + 2 * fsdp
         if self.delay is not None and layout.num_stages > 1:
             # an injected delay is a wait in the sender (as the runtime injects it), once per
             # transfer: it does not grow with a re-tuned microbatch's size
