@@ -79,9 +79,6 @@ class Pipeline:
         # parallel.shard = "full": every unit sharded over this stage's replicas (dynmo.runtime.fsdp)
         self.mesh = fsdp.mesh_of(ctx.dp_group, ctx.device) if cfg.parallel.shard == "full" else None
         self.layers: dict[int, nn.Module] = self._build_layers(self._my_layers(layout))
-        if self.mesh is not None:
-            for layer in self.layers.values():
-                fsdp.shard(layer, self.mesh)
         self.tie = tied_embeddings(cfg.model, self.specs, ctx, self.placement)  # None unless model.tie_embeddings
         self.optimizer = self._new_optimizer()
         # objects with prepare_layer/pack_layer/unpack_layer (dynamic-model cases): the per-layer
@@ -91,15 +88,22 @@ class Pipeline:
 
     def _build_layers(self, indices: list[int]) -> dict[int, nn.Module]:
         """This rank's layers at start-up: seeded from (seed, index), or read from a Hugging Face
-        checkpoint (`model.hf_path`: only these layers' tensors are read)."""
+        checkpoint (`model.hf_path`: only these layers' tensors are read). With
+        `parallel.shard = "full"` each is sharded as soon as it is built, so a rank holds one
+        whole layer at a time."""
         m, dev = self.cfg.model, self.ctx.device
+
+        def placed(layer: nn.Module) -> nn.Module:
+            return layer if self.mesh is None else fsdp.shard(layer, self.mesh)
+
         if not m.hf_path:
-            return {i: build_layer(self.specs[i], m, self.cfg.train.seed, dev) for i in indices}
+            return {i: placed(build_layer(self.specs[i], m, self.cfg.train.seed, dev)) for i in indices}
         layers = {}
         with HFReader(m.hf_path) as reader:
             for i in indices:
-                layers[i] = empty_layer(self.specs[i], m, dev)
-                load_layer(layers[i], self.specs[i], m, reader)
+                layer = empty_layer(self.specs[i], m, dev)
+                load_layer(layer, self.specs[i], m, reader)
+                layers[i] = placed(layer)
         self.hf_read = (len(reader.names_read), reader.bytes_read)
         return layers
 
