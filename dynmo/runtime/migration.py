@@ -47,8 +47,7 @@ class MigrationReport:
 def pack_layer(layer: nn.Module, spec: LayerSpec, state: dict, extras: list) -> Packet:
     """The packet of one layer: weights, gradients, optimizer `state` ({param: {key: tensor}})
     and each case's (`extras`) per-layer tensors; of a sharded layer, this replica's shards."""
-    tensors = fsdp.local_state(layer)
-    tensors = {f"w.{k}": v for k, v in tensors.items()}
+    tensors = {f"w.{k}": v for k, v in fsdp.local_state(layer).items()}
     for n, p in layer.named_parameters():
         if p.grad is not None:
             tensors[f"g.{n}"] = fsdp.local(p.grad)

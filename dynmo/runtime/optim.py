@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 from dynmo.config import TrainConfig
+from dynmo.runtime.fsdp import local
 
 STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
 
@@ -65,7 +66,7 @@ def layer_state_bytes(opt: torch.optim.Optimizer, layer: nn.Module) -> int:
 
 def _bytes(t: torch.Tensor) -> int:
     """Bytes this worker holds of `t`: of a sharded tensor (DTensor), its own shard."""
-    t = _local(t)
+    t = local(t)
     return t.numel() * t.element_size()
 
 
@@ -93,14 +94,9 @@ def layer_sq_norm(layer: nn.Module, skip: tuple[str, ...] = ()) -> torch.Tensor:
 def param_sq_norms(layer: nn.Module, skip: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     """{parameter name: squared L2 norm of its gradient}, in parameter order, for the parameters
     that have a gradient and are not in `skip` (of a sharded gradient, its local shard's)."""
-    return {n: _local(p.grad).detach().float().pow(2).sum() for n, p in layer.named_parameters()
+    return {n: local(p.grad).detach().float().pow(2).sum() for n, p in layer.named_parameters()
             if p.grad is not None and n not in skip}
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This worker's shard of a sharded tensor (a DTensor: its squared norm is summed over the
-    replicas by the caller), any other tensor as it is."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def clip_coefficient(layer_sq_norms: torch.Tensor, max_norm: float) -> tuple[float, float]:

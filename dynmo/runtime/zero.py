@@ -102,6 +102,7 @@ class ShardedAdamW:
             groups.append({**g, "params": rows})
         self.inner = optim.adamw(groups, tc, device)
         self.state = _StateByParam(self.inner.state, self.slices)
+        self.buckets = self._buckets()  # the step's all-gathers: fixed for this optimizer's parameters
 
     @property
     def param_groups(self) -> list[dict]:
@@ -113,7 +114,7 @@ class ShardedAdamW:
 
     def step(self) -> None:
         for p, s in self.slices.items():
-            s.grad = None if p.grad is None else (p.grad if p.dim() else p.grad.view(1))[slice(*self._rows(p))]
+            s.grad = None if p.grad is None else _rows_view(p.grad, self.dp, self.rank)
         self.inner.step()
         self._gather()
 
@@ -125,23 +126,25 @@ class ShardedAdamW:
             elif p.grad is not None:
                 p.grad.zero_()
 
-    def _rows(self, p: torch.Tensor) -> tuple[int, int]:
-        return shard_rows(p.shape[0] if p.dim() else 1, self.dp, self.rank)
+    def _buckets(self) -> list[list[nn.Parameter]]:
+        """The parameters in all-gather buckets of one dtype and at most `GATHER_BYTES` of
+        buffers (every replica's padded rows), so the transient buffers stay small beside the
+        state saved."""
+        buckets: list[list[nn.Parameter]] = []
+        size = 0
+        for p in self.slices:
+            nbytes = self._chunk(p) * self.dp * p.element_size()
+            if not buckets or p.dtype != buckets[-1][0].dtype or size + nbytes > GATHER_BYTES:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(p)
+            size += nbytes
+        return buckets
 
     @torch.no_grad()
     def _gather(self) -> None:
-        """Every replica's updated rows into every copy: all-gathers of flat buffers of at most
-        `GATHER_BYTES` (so the transient buffers stay small beside the state saved), each
-        replica's rows padded to the chunk size."""
-        bucket: list[nn.Parameter] = []
-        size = 0
-        for p in self.slices:
-            if bucket and (p.dtype != bucket[0].dtype or size + self._chunk(p) * self.dp * p.element_size() > GATHER_BYTES):
-                self._gather_bucket(bucket)
-                bucket, size = [], 0
-            bucket.append(p)
-            size += self._chunk(p) * self.dp * p.element_size()
-        if bucket:
+        """Every replica's updated rows into every copy, one all-gather per bucket."""
+        for bucket in self.buckets:
             self._gather_bucket(bucket)
 
     def _chunk(self, p: torch.Tensor) -> int:
@@ -163,10 +166,8 @@ class ShardedAdamW:
                 continue
             off = 0
             for p in params:
-                flat = p.detach() if p.dim() else p.detach().view(1)
-                lo, hi = shard_rows(flat.shape[0], self.dp, k)
-                n = flat[lo:hi].numel()
-                flat[lo:hi].copy_(buf[off:off + n].view_as(flat[lo:hi]))
+                rows = _rows_view(p, self.dp, k)
+                rows.copy_(buf[off:off + rows.numel()].view_as(rows))
                 off += self._chunk(p)
 
 
