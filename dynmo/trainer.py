@@ -192,7 +192,7 @@ class Trainer:
         for c in self.cases:
             stats.update(c.layer_stats())
         tokens = cfg.train.global_batch * cfg.model.seq_len
-        rec = gather_record(self.pipe, step, res, events, stats, tokens, self.letters)
+        rec = faults.injected_costs(gather_record(self.pipe, step, res, events, stats, tokens, self.letters))
         if not (math.isfinite(rec.loss) and math.isfinite(rec.grad_norm)):
             # every rank sees the merged record, so all stop here together; nothing is saved
             raise Diverged(f"the loss is {rec.loss} (gradient norm {rec.grad_norm}) at step {step}; "

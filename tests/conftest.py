@@ -25,6 +25,13 @@ TINY = [
     "--train.warmup_steps", "2", "--log.tensorboard", "false", "--log.progress", "false",
 ]
 
+# What a run of the tiny model with `--skew.blocks 0 --skew.factor 16 --skew.start_step 3`
+# records, as injected costs (ms per microbatch, dynmo.runtime.faults): E t t t t L nearly
+# balanced on `E t t | t t L` (9 vs 11 ms), then block 0 at ~3.5x a plain block from step 3,
+# as a quiet machine measures it (19 vs 11 ms; `E t | t t t L` gives 15 vs 15). A test of what
+# the controller decides on a skewed run reads these, never this machine's timing.
+SKEWED_COSTS = {"DYNMO_COSTS": "0:1,4,4,4,4,3;3:1,14,4,4,4,3"}
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _cache_dir(tmp_path_factory):
@@ -39,9 +46,12 @@ TRANSIENT = re.compile(r"Address already in use|EADDRINUSE|Connection reset by p
                        r"RendezvousConnectionError|RendezvousTimeoutError|Socket Timeout")
 
 
-def run_train(out: Path, *args: str, nproc: int = 2, timeout: int = 300, check: bool = True) -> subprocess.CompletedProcess:
+def run_train(out: Path, *args: str, nproc: int = 2, timeout: int = 300, check: bool = True,
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`dynmo train` on the tiny model; `env` adds variables (the test injections of
+    dynmo.runtime.faults, e.g. DYNMO_COSTS)."""
     cmd = [sys.executable, "-m", "dynmo.cli", "train", "--nproc", str(nproc), "--out", str(out), *TINY, *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     fresh = not Path(out).exists() or not any(Path(out).iterdir())
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if p.returncode != 0 and TRANSIENT.search(p.stderr):

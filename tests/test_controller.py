@@ -10,7 +10,7 @@ from dynmo.balance import Problem, balance
 from dynmo.config import BalanceConfig
 from dynmo.controller import Controller, candidates
 from dynmo.layout import Layout
-from tests.conftest import metrics, run_train
+from tests.conftest import SKEWED_COSTS, metrics, run_train
 
 
 def test_auto_follows_a_step_change_within_a_window():
@@ -143,14 +143,14 @@ def test_every_n_steps():
 
 def skewed_runs(tmp_path, steps: int, when: str) -> tuple[list[dict], list[dict]]:
     """Block 0 does 16x the MLP work from step 3, under `E t t | t t L`: the metrics of a static
-    run and of a run with `balance.when = when`. Measured here the skewed block costs ~3.5x a
-    plain one, so moving block 1 to stage 1 lowers the bottleneck by ~20%: far above the 5%
-    hysteresis even when a loaded machine blurs the timings (skewing blocks 0 and 1 gained only
-    ~17% at best and a loaded CI run once measured it below 5% for five steps)."""
+    run and of a run with `balance.when = when`. The balanced run decides on injected costs
+    (SKEWED_COSTS: moving block 1 to stage 1 cuts the slowest stage from 19 to 15 ms) and free
+    links, so what it decides does not depend on this machine's load; the skew's compute and
+    its dynamism event are real."""
     common = ["--steps", str(steps), "--skew.blocks", "0", "--skew.factor", "16", "--skew.start_step", "3",
               "--parallel.layout", "0,3,6"]
     run_train(tmp_path / "static", *common)
-    run_train(tmp_path / when, *common, "--balance.when", when)
+    run_train(tmp_path / when, *common, "--balance.when", when, "--balance.links", "free", env=SKEWED_COSTS)
     return metrics(tmp_path / "static"), metrics(tmp_path / when)
 
 
@@ -160,10 +160,10 @@ def test_skewed_model_is_rebalanced_within_a_window_and_trains_the_same(tmp_path
     assert [r["loss"] for r in auto] == [r["loss"] for r in static]  # bitwise
     moves = [r for r in auto if any(e["type"] == "migration" for e in r["events"])]
     seen = "\n".join(f"step {r['step']} {r['layout']}: {[round(c * 1e3, 2) for c in r['layer_cost_s']]} ms" for r in auto[:10])
-    # a window of 3 steps proposes the move, 2 fresh steps confirm it
-    # (8x was once too little: with the other blocks measured slow, moving block 1 saved only 3.7%
-    # of the predicted step time, under the 5% margin)
-    assert moves and 3 + 3 + 2 <= moves[0]["step"] <= 3 + 12, f"first migration too late; per-layer costs:\n{seen}"
+    # a window of 3 skewed steps (3, 4, 5) proposes the move, 2 fresh steps (6, 7) confirm it,
+    # it is applied before step 8 (what the run does once measured step times judge the move is
+    # this machine's business, and not asserted)
+    assert moves and moves[0]["step"] == 3 + 3 + 2, f"per-layer costs:\n{seen}"
     # the chosen layout is the optimum of the forecast that proposed it (median of 3 steps' costs)
     first = moves[0]["step"]
     window = [r["layer_cost_s"] for r in auto[3:first]]  # every post-skew step before the move

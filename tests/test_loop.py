@@ -11,7 +11,7 @@ from dynmo.loop import DynmoLoop, check_balance
 from dynmo.record import StepRecord
 from dynmo.sim.replay import ReplayOptions, replay, replay_balance
 from dynmo.sim.trace import load_trace
-from tests.conftest import metrics, run_train
+from tests.conftest import SKEWED_COSTS, metrics, run_train
 
 
 def loop(**knobs) -> DynmoLoop:
@@ -75,7 +75,7 @@ def test_replay_makes_the_trainers_decision_from_the_traced_costs(tmp_path):
     trace_path = tmp_path / "run.trace.jsonl"
     run_train(tmp_path / "run", "--steps", "16", "--skew.blocks", "0", "--skew.factor", "16", "--skew.start_step", "3",
               "--parallel.layout", "0,3,6", "--balance.when", "auto", "--balance.links", "free",
-              "--trace", str(trace_path))
+              "--trace", str(trace_path), env=SKEWED_COSTS)
     recs = metrics(tmp_path / "run")
     real = [(r["step"], e["new"]) for r in recs for e in r["events"] if e["type"] == "migration"]
     assert real, "the skewed run made no migration"
@@ -87,3 +87,28 @@ def test_replay_makes_the_trainers_decision_from_the_traced_costs(tmp_path):
     changes = [(k, res.layouts[k]) for k in range(1, len(res.layouts)) if res.layouts[k] != res.layouts[k - 1]]
     assert changes, f"the replay made no migration; the run moved at {real}"
     assert changes[0] == real[0], f"replay {changes} vs run {real}"
+
+
+def test_injected_costs_replace_the_measured_ones_from_their_step(monkeypatch):
+    """DYNMO_COSTS (the tests' way to drive the controller without this machine's timing): the
+    record of a step keeps its measured costs before the first segment, takes each segment's
+    from its step on, a third forward; a malformed value or a wrong layer count is refused."""
+    from dynmo.runtime.faults import injected_costs
+
+    rec = StepRecord(step=0, layer_fwd_s=[0.1, 0.2], layer_bwd_s=[0.2, 0.4], layer_cost_s=[0.3, 0.6],
+                     layer_wgrad_s=[0.1, 0.1])
+    monkeypatch.setenv("DYNMO_COSTS", "2:3,6;5:30,60")
+    assert injected_costs(rec) is rec
+    for step, want in ((2, [0.003, 0.006]), (4, [0.003, 0.006]), (5, [0.03, 0.06]), (99, [0.03, 0.06])):
+        got = injected_costs(StepRecord(**{**rec.__dict__, "step": step}))
+        assert got.layer_cost_s == pytest.approx(want)
+        assert got.layer_fwd_s == pytest.approx([c / 3 for c in want])
+        assert got.layer_bwd_s == pytest.approx([2 * c / 3 for c in want])
+        assert got.layer_wgrad_s == pytest.approx([b / 2 if i == 0 else b / 4 for i, b in enumerate(got.layer_bwd_s)])
+    for bad in ("2:3,x", "3", "5:1,1;2:1,1", "1:0,1"):
+        monkeypatch.setenv("DYNMO_COSTS", bad)
+        with pytest.raises(ValueError, match="DYNMO_COSTS"):
+            injected_costs(StepRecord(step=9, layer_cost_s=[1.0, 1.0], layer_bwd_s=[1.0, 1.0]))
+    monkeypatch.setenv("DYNMO_COSTS", "0:1,2,3")
+    with pytest.raises(ValueError, match="3 layer costs; the model has 2 layers"):
+        injected_costs(rec)

@@ -1,4 +1,4 @@
-"""Fault injection for the failure tests: kill this process at a named point of a run.
+"""Injection for the tests: kill this process at a named point of a run, or record given per-layer costs.
 
     DYNMO_FAULT="kill:POINT:STEP:RANK"   e.g. kill:step:5:1, kill:migration:4:0, kill:checkpoint:6:0
 
@@ -8,12 +8,27 @@ STEP, after the shards and before the completion marker). The process sends itse
 no handler, no clean-up, as a machine failure would. Only the first attempt of a job is hit
 (torchrun's TORCHELASTIC_RESTART_COUNT = 0), so an automatic restart runs clean. Unset, every
 call is a dictionary lookup.
+
+    DYNMO_COSTS="STEP:MS,MS,...[;STEP:MS,...]"   e.g. 0:1,4,4,4,4,3;3:1,14,4,4,4,3
+
+A test that asserts what the controller decides must not depend on how fast or busy the
+machine running it is. From step STEP on (until the next segment) every rank records these
+per-layer costs, in milliseconds per microbatch, in place of the measured ones: the
+controller's `layer_cost_s`, and a third of each as the layer's forward and two thirds as its
+backward (a measured weight-gradient part is scaled with the backward). The metrics, the trace
+and the DynMo loop all see them, so a replay of the trace decides on them too. Step times
+stay measured, and so does everything steps before the first segment record. The model and
+its compute are untouched.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+from dataclasses import replace
+from functools import lru_cache
+
+from dynmo.record import StepRecord
 
 POINTS = ("step", "migration", "checkpoint")
 _step = -1  # the training step the run is at (set by the trainer)
@@ -50,3 +65,36 @@ def point(name: str, step: int | None = None) -> None:
         return
     if target == (name, step, int(os.environ.get("RANK", "0"))):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+@lru_cache(maxsize=4)
+def _cost_segments(spec: str) -> tuple[tuple[int, tuple[float, ...]], ...]:
+    try:
+        segments = []
+        for part in spec.split(";"):
+            step, costs = part.split(":")
+            segments.append((int(step), tuple(float(c) / 1e3 for c in costs.split(","))))
+        if any(c <= 0 for _, cs in segments for c in cs) or [s for s, _ in segments] != sorted({s for s, _ in segments}):
+            raise ValueError
+        return tuple(segments)
+    except ValueError:
+        raise ValueError(f"DYNMO_COSTS={spec!r}: use STEP:MS,MS,...[;STEP:MS,...] with increasing steps "
+                         "and positive milliseconds per layer") from None
+
+
+def injected_costs(rec: StepRecord) -> StepRecord:
+    """`rec` with the per-layer costs DYNMO_COSTS gives for its step (see above), or `rec` itself."""
+    spec = os.environ.get("DYNMO_COSTS", "")
+    if not spec:
+        return rec
+    current = [c for s, c in _cost_segments(spec) if s <= rec.step]
+    if not current:
+        return rec
+    costs = list(current[-1])
+    if len(costs) != len(rec.layer_cost_s):
+        raise ValueError(f"DYNMO_COSTS gives {len(costs)} layer costs; the model has {len(rec.layer_cost_s)} layers")
+    bwd = [2 * c / 3 for c in costs]
+    wgrad = None
+    if rec.layer_wgrad_s:
+        wgrad = [w * b / old if old > 0 else 0.0 for w, b, old in zip(rec.layer_wgrad_s, bwd, rec.layer_bwd_s)]
+    return replace(rec, layer_cost_s=costs, layer_fwd_s=[c / 3 for c in costs], layer_bwd_s=bwd, layer_wgrad_s=wgrad)
