@@ -38,6 +38,9 @@ to that noise looks better than it is (the winner's curse). So `auto` moves laye
     (`evidence.supported`), so a saving the steps' own variation could produce moves nothing;
   - the proposed move is confirmed on 2 fresh steps (`evidence.confirmed`), so a real change is
     acted on `window` + 2 steps after it happened (5 by default);
+  - failing the window's optimum, the optimum of every observed step's median cost (`steady`,
+    searched once a window) is tested the same way: a small gain under noise needs more steps
+    than the window to stand out, and the window's optimum moves with the window's noise;
   - going back to a layout left within the horizon needs twice the gain (no ping-pong);
   - and after each migration the controller judges it by the measured step time
     (`judge.judge_migration`): a migration that made the step slower by more than the step

@@ -69,6 +69,7 @@ class Controller(Scoring):
     proposal: tuple | None = None  # (layout boundaries, observed steps then): a move awaiting fresh evidence
     observed: int = 0  # steps observed
     searched: Layout | None = None  # the last local search's best layout, a candidate until the next search
+    steady: Layout | None = None  # auto: the optimum of every observed step's costs, searched once a window
     # the history's steps' predicted step times, each (step, layout) simulated once
     cache: HistoryTimes = field(default_factory=HistoryTimes, init=False, repr=False)
 
@@ -118,7 +119,7 @@ class Controller(Scoring):
         self.history.clear()
         self.judge.step_times.clear()
         self.proposal = None
-        self.searched = None
+        self.searched = self.steady = None
         self.microbatches = microbatches
 
     def forecast(self) -> list[float] | None:
@@ -162,7 +163,8 @@ class Controller(Scoring):
     def _rebalance(self, step: int, costs: list[float], current: Layout, layer_bytes: list[int],
                    steps_left: int) -> Decision | None:
         """The balancer's layout for the forecast, if the step falls by the margin and repays the
-        migration over the horizon; with `auto`, only on the window's and fresh steps' evidence."""
+        migration over the horizon; with `auto`, only on the window's and fresh steps' evidence,
+        and failing that, the optimum of all the observed steps (`steady`) on all their evidence."""
         c = self.cfg
         problem = self.problem(costs, current.num_stages, current)
         # the local search runs once a window; in between its last result stays a candidate
@@ -178,25 +180,55 @@ class Controller(Scoring):
         new, t_new = candidates.best_layout(problem, c.balancer, current, steps_of, search, known)
         if search:
             self.searched = new
-        if new == current or new.boundaries in self.lost:
-            return None
         t_now = scored[current.boundaries] if current.boundaries in scored else self.step_s(problem, current)
         horizon = max(0, min(c.horizon, steps_left))
-        margin = self.margin
-        if c.when == "auto" and step - self.left.get(new.boundaries, -10**9) <= c.horizon:
-            margin *= 2  # going back to a layout left within the horizon needs twice the evidence
-        if t_now - t_new < margin * t_now or (t_now - t_new) * horizon <= self.migration_cost(layer_bytes, current, new):
-            self.proposal = None
-            return None
-        if c.when == "auto":
-            if not evidence.supported(self.per_step_gains(current, new), c.window, margin):
-                self.proposal = None
-                return None
+        def options():
+            yield new, t_now, t_new
+            if c.when == "auto" and len(self.history) > c.window:
+                yield self._steady_option(current, search)
+
+        rejected = False  # a candidate failed the margin, the repayment or the evidence
+        for cand, t_old, t_cand in options():
+            if cand is None or cand == current or cand.boundaries in self.lost:
+                continue
+            rejected = True
+            margin = self.margin
+            if c.when == "auto" and step - self.left.get(cand.boundaries, -10**9) <= c.horizon:
+                margin *= 2  # going back to a layout left within the horizon needs twice the evidence
+            if t_old - t_cand < margin * t_old or (t_old - t_cand) * horizon <= self.migration_cost(layer_bytes, current, cand):
+                continue
+            if c.when != "auto":
+                return self._rebalanced(step, problem, current, cand, t_old, t_cand, horizon, layer_bytes)
+            if not evidence.supported(self.per_step_gains(current, cand), c.window, margin):
+                continue
             chosen, self.proposal = evidence.confirmed(self.proposal, self.observed, len(self.history), c.window,
-                                                       current, new, margin, lambda p: self.per_step_gains(current, p))
+                                                       current, cand, margin, lambda p: self.per_step_gains(current, p))
             if chosen is None:
                 return None
-            new, t_new = chosen, scored[chosen.boundaries] if chosen.boundaries in scored else self.step_s(problem, chosen)
+            if chosen != cand:  # an earlier proposal, confirmed: its step times under this forecast
+                t_old = t_now
+                t_cand = scored[chosen.boundaries] if chosen.boundaries in scored else self.step_s(problem, chosen)
+            return self._rebalanced(step, problem, current, chosen, t_old, t_cand, horizon, layer_bytes)
+        if rejected:
+            self.proposal = None
+        return None
+
+    def _steady_option(self, current: Layout, search: bool) -> tuple[Layout | None, float, float]:
+        """(the optimum of the per-layer median over every observed step, the mean step time of
+        `current` and of it over those steps). A gain of a few percent under noise needs more
+        steps than the window to stand out, and the window's own optimum moves with the window's
+        noise; this one holds still while the evidence gathers. Searched once a window."""
+        if search or self.steady is None or self.steady.num_stages != current.num_stages:
+            long = [median(col) for col in zip(*self.history)]
+            self.steady, _ = candidates.best_layout(self.problem(long, current.num_stages, current), self.cfg.balancer,
+                                                    current, lambda pr, lays: self.steps_s(pr, lays), search=True)
+        if self.steady == current:
+            return None, 0.0, 0.0
+        old_t, new_t = self.history_times([current, self.steady])
+        return self.steady, sum(old_t) / len(old_t), sum(new_t) / len(new_t)
+
+    def _rebalanced(self, step: int, problem: Problem, current: Layout, new: Layout, t_now: float, t_new: float,
+                    horizon: int, layer_bytes: list[int]) -> Decision:
         loads = problem.loads_of_assignment
         return self._decided(step, current, Decision(
             new, max(loads(new.owner())), max(loads(current.owner())), (t_now - t_new) * horizon,
