@@ -9,9 +9,6 @@ from dynmo.config import BalanceConfig, ConfigError
 from dynmo.layout import Layout
 from dynmo.loop import DynmoLoop, check_balance
 from dynmo.record import StepRecord
-from dynmo.sim.replay import ReplayOptions, replay, replay_balance
-from dynmo.sim.trace import load_trace
-from tests.conftest import SKEWED_COSTS, metrics, run_train
 
 
 def loop(**knobs) -> DynmoLoop:
@@ -63,30 +60,6 @@ def test_one_validation_of_the_balance_section(field, value, match):
         check_balance(BalanceConfig(**{field: value}))
     with pytest.raises(ConfigError, match=match):  # the loop and the replay use the same check
         DynmoLoop(BalanceConfig(**{field: value}), microbatches=4, schedule="1f1b", layer_params=[1, 1])
-
-
-@pytest.mark.dist
-def test_replay_makes_the_trainers_decision_from_the_traced_costs(tmp_path):
-    """A real run of the skewed model under `auto` records the costs its loop observed; the
-    replay of that trace at the traced shape, with the same [balance] section, must decide the
-    same first migration at the same step. (Later decisions may differ only through the
-    migration cost model, which the run refits from measured seconds and the replay from
-    simulated ones.) Links are left out of both: the replay has no measured link times."""
-    trace_path = tmp_path / "run.trace.jsonl"
-    run_train(tmp_path / "run", "--steps", "16", "--skew.blocks", "0", "--skew.factor", "16", "--skew.start_step", "3",
-              "--parallel.layout", "0,3,6", "--balance.when", "auto", "--balance.links", "free",
-              "--trace", str(trace_path), env=SKEWED_COSTS)
-    recs = metrics(tmp_path / "run")
-    real = [(r["step"], e["new"]) for r in recs for e in r["events"] if e["type"] == "migration"]
-    assert real, "the skewed run made no migration"
-    trace = load_trace(trace_path)
-    opts = ReplayOptions(balance=replay_balance(when="auto"), initial="uniform", charge_decide=False)
-    (res,) = replay(trace, None, None, ["optimal"], opts)
-    # the replay starts from uniform, which for 6 layers on 2 stages is the run's [0, 3, 6]
-    assert res.layouts[0] == [0, 3, 6]
-    changes = [(k, res.layouts[k]) for k in range(1, len(res.layouts)) if res.layouts[k] != res.layouts[k - 1]]
-    assert changes, f"the replay made no migration; the run moved at {real}"
-    assert changes[0] == real[0], f"replay {changes} vs run {real}"
 
 
 def test_injected_costs_replace_the_measured_ones_from_their_step(monkeypatch):
