@@ -9,7 +9,9 @@ dense model) also on 16 x 8 (32 blocks, 64 microbatches), under: the static layo
 params, profile-once), dynmo (`optimal`, `balance.when = auto`) started from uniform and from
 profile-once, and the oracle. Per row: the best static layout and the ratio of its total time to
 each policy's (> 1: faster than the best static layout), the share of the oracle's gain over the
-best static layout that dynmo captures, and dynmo's migrations. Pure; no torch.
+best static layout that dynmo captures, dynmo's migrations, and the settled ratio: the best static
+layout's step time over the trace's second half against dynmo's (from uniform, from
+profile-once), which leaves out what finding the layout cost at the start. Pure; no torch.
 """
 
 from __future__ import annotations
@@ -40,11 +42,19 @@ def row(name: str, path: Path, shape: str) -> dict:
         return ref / r.total_s
 
     oracle_gain = ratio(res["oracle"]) - 1
+    half = len(res["uniform"].iteration_s) // 2
+    best_rest = sum({"uniform": res["uniform"], "params": res.get("params"),
+                     "profile-once": res["profile-once"]}[best].iteration_s[half:])
+
+    def settled(r) -> float:
+        return best_rest / sum(r.iteration_s[half:])
+
     return {"trace": name, "shape": shape, "best_static": best, "uniform": ratio(res["uniform"]),
             "dynmo": ratio(res["optimal"]), "dynmo_warm": ratio(warm), "oracle": ratio(res["oracle"]),
             "captured": (ratio(res["optimal"]) - 1) / oracle_gain if oracle_gain > 0 else None,
             "captured_warm": (ratio(warm) - 1) / oracle_gain if oracle_gain > 0 else None,
-            "migrations": res["optimal"].migrations, "migrations_warm": warm.migrations}
+            "migrations": res["optimal"].migrations, "migrations_warm": warm.migrations,
+            "settled": settled(res["optimal"]), "settled_warm": settled(warm)}
 
 
 def fmt(x) -> str:
@@ -65,8 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"python benchmarks/replay_headline.py --traces {args.traces}" + (f" --cases {args.cases}" if wanted else "") + "\n")
     print("| trace | shape | best static | uniform | dynmo from uniform | dynmo from profile-once | oracle "
-          "| oracle gain captured (uniform, profile-once) | migrations (uniform, profile-once) |")
-    print("|---|---|---|---:|---:|---:|---:|---|---|")
+          "| oracle gain captured (uniform, profile-once) | migrations (uniform, profile-once) "
+          "| settled, second half (uniform, profile-once) |")
+    print("|---|---|---|---:|---:|---:|---:|---|---|---|")
     for path in paths:
         name = path.stem.removesuffix("-static")
         shapes = ["24x30"] + (["16x8"] if name.startswith(MOE_FAMILY) else [])
@@ -75,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
             r = row(name, path, shape)
             print(f"| {name} | {shape} | {r['best_static']} | {fmt(r['uniform'])} | {fmt(r['dynmo'])} | "
                   f"{fmt(r['dynmo_warm'])} | {fmt(r['oracle'])} | {fmt(r['captured'])}, {fmt(r['captured_warm'])} | "
-                  f"{r['migrations']}, {r['migrations_warm']} |", flush=True)
+                  f"{r['migrations']}, {r['migrations_warm']} | {fmt(r['settled'])}, {fmt(r['settled_warm'])} |",
+                  flush=True)
             print(f"replay_headline: {name} {shape} in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     return 0
 

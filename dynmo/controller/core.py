@@ -101,7 +101,8 @@ class Controller(Scoring):
             self.peak_total = max(self.peak_total, sum(self.forecast()))
         if changed:
             self.judge.forget()  # the step time changed for another reason: nothing to judge
-            self.proposal = None
+            # a standing proposal stays: its fresh steps, on the changed model, confirm it or not
+            # (dropping it here let a model that changes every 5 steps outrun every confirmation)
             self.lost.clear()  # a layout that lost on the old model may win on the new one
         if step_s is not None and step_s > 0 and layout is not None:
             model = self._step_under(layer_costs, layout)
