@@ -283,3 +283,25 @@ def test_dynamism_trigger_rebalances_after_profiling_the_change(tmp_path, static
     best = balance(Problem(costs=forecast, stages=2, current=[0, 3, 6], speeds=ev["speeds"],
                            transfer=ev["transfer_s"], transfer_back=ev["transfer_back_s"]), "optimal")
     assert dyn[6]["layout"] == list(best.boundaries) != [0, 3, 6]
+
+
+def test_re_packs_keep_their_tolerance_against_the_run_s_first_workers():
+    """Six equal layers, 16 microbatches: 3 stages run 4% slower than 4, and 2 stages 42% slower
+    than 3 but 47% slower than 4. With a 45% tolerance the run re-packs 4 -> 3 and then stays:
+    measured against today's 3 workers, a second re-pack would have looked within tolerance and
+    the two would have cost more than the tolerance together."""
+    from dynmo.controller.repack import repack
+
+    cfg = BalanceConfig(when="every", every=1, window=1, repack=True, repack_tolerance=0.45, repack_shrink=0.0)
+    c = Controller(cfg, microbatches=16)
+    costs = [1.0] * 6
+    c.observe(costs)
+    d = c.decide(1, Layout.uniform(6, 4), [0] * 6, 100)
+    assert d is not None and d.reason == "repack" and d.layout == Layout.uniform(6, 3)
+    c.applied(16)
+    c.observe(costs)
+    assert c.decide(2, Layout.uniform(6, 3), [0] * 6, 100) is None
+    # what today's workers alone would have allowed
+    r = repack(cfg, costs, Layout.uniform(6, 3), sum(costs), c.problem, c.steps_s, [costs], 16)
+    assert r is not None and r.layout.num_stages == 2
+    assert r.step_s > (1 + cfg.repack_tolerance) * d.best_step_s

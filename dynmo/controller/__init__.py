@@ -53,7 +53,8 @@ Re-packing (`repack=True`, paper Algorithm 1's optional step): when the model ha
 forecast total cost fell by `min_gain` below the largest seen: workers never come back, so a
 model that may still grow keeps them), the controller packs the layers onto the fewest
 pipeline positions 0..k-1 whose predicted step time stays within `repack_tolerance` of the
-best all-worker layout's, on the forecast and on nearly every step of the window; the runtime
+best layout's on every worker the run started with (not today's: re-packs would compound), on
+the forecast and on nearly every step of the window; the runtime
 releases the rest. Its event reports both step times. With identical workers any k of them
 are equivalent, so keeping the prefix loses nothing; with measured per-worker speeds the
 balancer gets the kept workers' speeds.

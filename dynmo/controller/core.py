@@ -35,7 +35,7 @@ class Decision:
     predicted_step_s: float = 0.0  # step time of the new layout (`step_time`), under the forecast
     current_step_s: float = 0.0  # the same, current layout
     reason: str = ""  # "rebalance", "repack" or "revert" (a migration that lost, undone)
-    best_step_s: float = 0.0  # a re-pack: the step time of the best layout on all of today's workers
+    best_step_s: float = 0.0  # a re-pack: the step time of the best layout on every worker the run started with
 
 
 @dataclass
@@ -69,6 +69,7 @@ class Controller(Scoring):
     proposal: tuple | None = None  # (layout boundaries, observed steps then): a move awaiting fresh evidence
     observed: int = 0  # steps observed
     searched: Layout | None = None  # the last local search's best layout, a candidate until the next search
+    widest: int = 0  # the most pipeline positions the run has had: re-packing's reference
     steady: Layout | None = None  # auto: the optimum of every observed step's costs, searched once a window
     # the history's steps' predicted step times, each (step, layout) simulated once
     cache: HistoryTimes = field(default_factory=HistoryTimes, init=False, repr=False)
@@ -260,8 +261,9 @@ class Controller(Scoring):
 
     def _repack(self, step: int, costs: list[float], current: Layout, layer_bytes: list[int],
                 steps_left: int) -> Decision | None:
+        self.widest = max(self.widest, current.num_stages)
         r = repack(self.cfg, costs, current, self.peak_total, self.problem, self.steps_s, list(self.history)[-self.cfg.window:],
-                   self.microbatches)
+                   self.microbatches, self.widest)
         if r is None:
             return None
         problem = self.problem(costs, current.num_stages, current)

@@ -1,5 +1,8 @@
 """Re-packing: the fewest pipeline positions 0..k-1 whose predicted step time stays within the
-tolerance of the best all-worker layout's, once the model has shrunk.
+tolerance of the best layout's on every worker the run started with, once the model has shrunk.
+
+The reference is the run's first workers, not today's: measured against today's, each re-pack
+could cost its tolerance on top of the last one's.
 
 Released workers never come back, so a model that may still grow keeps them: the re-pack waits
 until the forecast total cost fell by `repack_shrink` from the largest seen.
@@ -24,14 +27,14 @@ class Repack:
     layout: Layout  # on positions 0..k-1
     bottleneck: float  # its slowest stage, seconds per microbatch
     step_s: float  # its predicted step time
-    best_step_s: float  # the best layout's on all of today's workers
+    best_step_s: float  # the best layout's on every worker the run started with
 
 
 def repack(cfg: BalanceConfig, costs: list[float], current: Layout, peak_total: float, problem_of: ProblemOf,
-           steps_of: StepsOf, window: Iterable[list[float]], microbatches: int) -> Repack | None:
+           steps_of: StepsOf, window: Iterable[list[float]], microbatches: int, widest: int = 0) -> Repack | None:
     """The re-pack to make now, or None (the model has not shrunk, or every worker is needed).
-    The tolerance is against the best layout on all of today's positions among the controller's
-    candidates. With `when` other than `every`, the re-pack must also keep its tolerance on 80% of
+    The tolerance is against the best layout, among the controller's candidates, on the `widest`
+    positions the run had (at least today's). With `when` other than `every`, the re-pack must also keep its tolerance on 80% of
     the steps of the `window`.
 
     A stage count whose slowest stage alone, `microbatches` times, exceeds the limit cannot be
@@ -43,7 +46,8 @@ def repack(cfg: BalanceConfig, costs: list[float], current: Layout, peak_total: 
     p = current.num_stages
     if sum(costs) > (1 - cfg.repack_shrink) * peak_total:
         return None
-    t_best = best_of(problem_of(costs, p, current))
+    full = max(widest, p)
+    t_best = best_of(problem_of(costs, full, current if full == p else None))
     limit = t_best * (1 + cfg.repack_tolerance) * (1 + 1e-9)
     for k in range(1, p):
         sub = problem_of(costs, k)
@@ -58,16 +62,16 @@ def repack(cfg: BalanceConfig, costs: list[float], current: Layout, peak_total: 
             break
     else:
         return None
-    if cfg.when != "every" and not _fits_on_most_steps(cfg, current, new, k, problem_of, steps_of, window, best_of):
+    if cfg.when != "every" and not _fits_on_most_steps(cfg, current, full, new, k, problem_of, steps_of, window, best_of):
         return None
     return Repack(new, result.bottleneck, t_k, t_best)
 
 
-def _fits_on_most_steps(cfg: BalanceConfig, current: Layout, new: Layout, k: int, problem_of: ProblemOf,
+def _fits_on_most_steps(cfg: BalanceConfig, current: Layout, full: int, new: Layout, k: int, problem_of: ProblemOf,
                         steps_of: StepsOf, window: Iterable[list[float]], best_of: Callable[[Problem], float]) -> bool:
     steps = list(window)
     ok = 0
     for costs in steps:
-        t_best = best_of(problem_of(costs, current.num_stages, current))
+        t_best = best_of(problem_of(costs, full, current if full == current.num_stages else None))
         ok += steps_of(problem_of(costs, k), [new])[0] <= t_best * (1 + cfg.repack_tolerance) * (1 + 1e-9)
     return ok >= -(-len(steps) * 4 // 5)
