@@ -184,6 +184,7 @@ class Controller(Scoring):
             self.searched = new
         t_now = scored[current.boundaries] if current.boundaries in scored else self.step_s(problem, current)
         horizon = max(0, min(c.horizon, steps_left))
+
         def options():
             yield new, t_now, t_new
             if c.when == "auto" and len(self.history) > c.window:
@@ -223,7 +224,7 @@ class Controller(Scoring):
         if search or self.steady is None or self.steady.num_stages != current.num_stages:
             long = [median(col) for col in zip(*self.history)]
             self.steady, _ = candidates.best_layout(self.problem(long, current.num_stages, current), self.cfg.balancer,
-                                                    current, lambda pr, lays: self.steps_s(pr, lays), search=True)
+                                                    current, self.steps_s, search=True)
         if self.steady == current:
             return None, 0.0, 0.0
         old_t, new_t = self.history_times([current, self.steady])
