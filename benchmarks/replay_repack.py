@@ -16,10 +16,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from dynmo.bench.cases import CASES
 from dynmo.sim import load_trace, scale_trace
 from dynmo.sim.replay import ReplayOptions, replay, replay_balance
-
-SHAPES = {"mod": (16, 8, 32), "moe": (16, 8, 32), "mixtral": (16, 8, 32)}  # the others: 24 x 30, 48 blocks
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,12 +29,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"python benchmarks/replay_repack.py --traces {args.traces} --cases {args.cases}\n")
     print("| case | shape | workers (start → end) | last 10 steps / optimal | second half / optimal | worst step | total / optimal |")
     print("|---|---|---|---:|---:|---:|---:|")
+    shapes = {c.name: (c.stages, c.dp, c.blocks) for c in CASES}  # dynmo bench's paper-scale shapes
     for name in [c.strip() for c in args.cases.split(",") if c.strip()]:
         path = Path(args.traces) / f"{name}-static.jsonl"
-        if not path.is_file():
-            print(f"replay_repack: no trace {path}", file=sys.stderr)
+        if name not in shapes or not path.is_file():
+            print(f"replay_repack: no case {name!r} with a trace {path}", file=sys.stderr)
             return 2
-        stages, dp, blocks = SHAPES.get(name, (24, 30, 48))
+        stages, dp, blocks = shapes[name]
         opts = ReplayOptions(microbatches=4 * stages, balance=replay_balance(when="auto"))
         res = {r.policy: r for r in replay(scale_trace(load_trace(path), blocks), stages, dp,
                                            ["optimal", "optimal+repack"], opts)}

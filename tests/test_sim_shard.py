@@ -313,12 +313,15 @@ def test_full_with_zero_bubble_schedules_is_refused(schedule):
         replay(make_trace(), 4, 2, ["uniform"], options(shard="full", schedule=schedule))
 
 
-def test_cli_shard_full(tmp_path, capsys):
-    t = make_trace()
+def simulate_full(tmp_path, t, *args: str) -> list[str]:
+    """`dynmo simulate` arguments replaying trace `t` (written under tmp_path) on 3 x 4, fully sharded."""
     path = tmp_path / "t.jsonl"
     t.write(path)
-    base = ["simulate", "--trace", str(path), "--stages", "3", "--dp", "4", "--policies", "uniform,optimal",
-            "--when", "dynamism", "--no-decide-time", "--shard", "full"]
+    return ["simulate", "--trace", str(path), "--stages", "3", "--dp", "4", *args, "--no-decide-time", "--shard", "full"]
+
+
+def test_cli_shard_full(tmp_path, capsys):
+    base = simulate_full(tmp_path, make_trace(), "--policies", "uniform,optimal", "--when", "dynamism")
     assert dynmo_main(base) == 0
     out = capsys.readouterr().out
     assert "weights, gradients and optimizer state sharded over the 4 replicas (FSDP2)" in out
@@ -338,10 +341,7 @@ def test_cli_shard_full(tmp_path, capsys):
 def test_cli_shard_full_notes_what_the_runtime_refuses_and_a_full_trace(tmp_path, capsys):
     t = make_trace(dp=4, shard="full")
     t.header.case = "prune+freeze"
-    path = tmp_path / "t.jsonl"
-    t.write(path)
-    base = ["simulate", "--trace", str(path), "--stages", "3", "--dp", "4", "--policies", "uniform",
-            "--no-decide-time", "--shard", "full", "--allreduce-bandwidth", "1e9"]
+    base = simulate_full(tmp_path, t, "--policies", "uniform", "--allreduce-bandwidth", "1e9")
     assert dynmo_main(base) == 0
     out = capsys.readouterr().out
     assert "pruning and freezing with parallel.shard = \"full\": the runtime does not run it yet (a what-if)" in out
