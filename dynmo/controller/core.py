@@ -71,6 +71,7 @@ class Controller(Scoring):
     searched: Layout | None = None  # the last local search's best layout, a candidate until the next search
     widest: int = 0  # the most pipeline positions the run has had: re-packing's reference
     steady: Layout | None = None  # auto: the optimum of every observed step's costs, searched once a window
+    repack_memo: dict = field(default_factory=dict, repr=False)  # re-packing: each observed step's best step time
     # the history's steps' predicted step times, each (step, layout) simulated once
     cache: HistoryTimes = field(default_factory=HistoryTimes, init=False, repr=False)
 
@@ -263,8 +264,10 @@ class Controller(Scoring):
     def _repack(self, step: int, costs: list[float], current: Layout, layer_bytes: list[int],
                 steps_left: int) -> Decision | None:
         self.widest = max(self.widest, current.num_stages)
-        r = repack(self.cfg, costs, current, self.peak_total, self.problem, self.steps_s, list(self.history)[-self.cfg.window:],
-                   self.microbatches, self.widest)
+        keep = {tuple(c) for c in self.history}  # what the memo holds for steps that left the history goes
+        self.repack_memo = {key: t for key, t in self.repack_memo.items() if key[0] in keep}
+        r = repack(self.cfg, costs, current, self.peak_total, self.problem, self.steps_s, list(self.history),
+                   self.microbatches, self.widest, self.repack_memo)
         if r is None:
             return None
         problem = self.problem(costs, current.num_stages, current)

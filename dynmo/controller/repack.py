@@ -31,23 +31,34 @@ class Repack:
 
 
 def repack(cfg: BalanceConfig, costs: list[float], current: Layout, peak_total: float, problem_of: ProblemOf,
-           steps_of: StepsOf, window: Iterable[list[float]], microbatches: int, widest: int = 0) -> Repack | None:
+           steps_of: StepsOf, history: Iterable[list[float]], microbatches: int, widest: int = 0,
+           memo: dict | None = None) -> Repack | None:
     """The re-pack to make now, or None (the model has not shrunk, or every worker is needed).
     The tolerance is against the best layout, among the controller's candidates, on the `widest`
-    positions the run had (at least today's). With `when` other than `every`, the re-pack must also keep its tolerance on 80% of
-    the steps of the `window`.
+    positions the run had (at least today's). With `when` other than `every`, the re-pack must
+    also keep its tolerance on 80% of the observed steps of `history` (the controller's evidence,
+    up to 20 steps, not only the forecast's window): released workers never come back, so the
+    decision that releases them reads all the evidence there is. `memo` keeps each observed
+    step's best step time on every position between calls (it is searched, not just simulated).
 
     A stage count whose slowest stage alone, `microbatches` times, exceeds the limit cannot be
     within it (that stage runs every microbatch's forward and backward), and is not simulated."""
-
-    def best_of(problem: Problem) -> float:
-        return best_layout(problem, cfg.balancer, None, steps_of)[1]
 
     p = current.num_stages
     if sum(costs) > (1 - cfg.repack_shrink) * peak_total:
         return None
     full = max(widest, p)
-    t_best = best_of(problem_of(costs, full, current if full == p else None))
+    memo = {} if memo is None else memo
+
+    def best_of(step_costs: list[float]) -> float:
+        """The best step time of `step_costs` on all `full` positions."""
+        key = (tuple(step_costs), full, current.boundaries if full == p else None)
+        if key not in memo:
+            memo[key] = best_layout(problem_of(step_costs, full, current if full == p else None), cfg.balancer, None,
+                                    steps_of)[1]
+        return memo[key]
+
+    t_best = best_of(costs)
     limit = t_best * (1 + cfg.repack_tolerance) * (1 + 1e-9)
     for k in range(1, p):
         sub = problem_of(costs, k)
@@ -62,16 +73,16 @@ def repack(cfg: BalanceConfig, costs: list[float], current: Layout, peak_total: 
             break
     else:
         return None
-    if cfg.when != "every" and not _fits_on_most_steps(cfg, current, full, new, k, problem_of, steps_of, window, best_of):
+    if cfg.when != "every" and not _fits_on_most_steps(cfg, new, k, problem_of, steps_of, history, best_of):
         return None
     return Repack(new, result.bottleneck, t_k, t_best)
 
 
-def _fits_on_most_steps(cfg: BalanceConfig, current: Layout, full: int, new: Layout, k: int, problem_of: ProblemOf,
-                        steps_of: StepsOf, window: Iterable[list[float]], best_of: Callable[[Problem], float]) -> bool:
-    steps = list(window)
+def _fits_on_most_steps(cfg: BalanceConfig, new: Layout, k: int, problem_of: ProblemOf, steps_of: StepsOf,
+                        history: Iterable[list[float]], best_of: Callable[[list[float]], float]) -> bool:
+    steps = list(history)
     ok = 0
     for costs in steps:
-        t_best = best_of(problem_of(costs, full, current if full == current.num_stages else None))
+        t_best = best_of(costs)
         ok += steps_of(problem_of(costs, k), [new])[0] <= t_best * (1 + cfg.repack_tolerance) * (1 + 1e-9)
     return ok >= -(-len(steps) * 4 // 5)
