@@ -253,6 +253,26 @@ def test_repack_decision_and_microbatch_retuning():
     assert retune_microbatches(6, 3, 3, 3) == 3
 
 
+def test_re_packing_reads_every_observed_step_not_only_the_window():
+    """Released workers never come back: a model whose last layers were heavy on most of the
+    evidence's steps keeps its workers, though its last window alone would re-pack it (two
+    stages, 25% slower than four, within the 30% tolerance), until 80% of the observed steps
+    show the re-pack fits."""
+    c = Controller(BalanceConfig(when="auto", window=3, repack=True, repack_tolerance=0.3))
+    four, heavy, light = Layout((0, 1, 2, 3, 5)), [1.0, 1.0, 1.0, 8.0, 8.0], [4.0, 1.0, 1.0, 1.0, 1.0]
+    for _ in range(7):
+        c.observe(heavy)
+    decided = []
+    for step in range(7, 40):
+        c.observe(light)
+        d = c.decide(step + 1, four, [0] * 5, 100)
+        if d is not None:
+            decided.append((step + 1, d.reason, d.layout.boundaries))
+            break
+    # the history holds 20 steps: at most 4 of them heavy once 16 light ones were observed
+    assert decided == [(7 + 16, "repack", (0, 1, 5))]
+
+
 @pytest.mark.dist
 def test_auto_does_not_migrate_a_balanced_model_under_noise(tmp_path):
     # E t t t | t t t L: both stages hold three blocks, the head outweighs the embedding by
