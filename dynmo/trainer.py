@@ -18,6 +18,7 @@ from dynmo import plan
 from dynmo.config import Config, to_toml
 from dynmo.data import TokenData, prepare
 from dynmo.dynamics.case import Case
+from dynmo.dynamics.noise import Noise, recorded_costs
 from dynmo.dynamics.registry import CASES
 from dynmo.layout import Layout
 from dynmo.loop import DynmoLoop, bytes_per_param
@@ -183,6 +184,15 @@ class Trainer:
             log.close(summary)
         return summary
 
+    def _noise_of_injected(self):
+        """With `[noise]` on, how costs injected by DYNMO_COSTS become the recorded ones (the
+        noise's own draws, `recorded_costs`); None without noise."""
+        noise = next((c for c in self.cases if isinstance(c, Noise)), None)
+        if noise is None:
+            return None
+        ranks, m = self.pipe.layer_ranks(self.pipe.layout), self.pipe.microbatches
+        return lambda step, costs: recorded_costs(noise.draws, step, costs, ranks, m)
+
     def _train_step(self, step: int, events: list[dict]) -> StepRecord:
         """The step itself, the cases' reports on it, and the merged record the loop observes."""
         cfg = self.cfg
@@ -192,7 +202,8 @@ class Trainer:
         for c in self.cases:
             stats.update(c.layer_stats())
         tokens = cfg.train.global_batch * cfg.model.seq_len
-        rec = faults.injected_costs(gather_record(self.pipe, step, res, events, stats, tokens, self.letters))
+        rec = faults.injected_costs(gather_record(self.pipe, step, res, events, stats, tokens, self.letters),
+                                    self._noise_of_injected())
         if not (math.isfinite(rec.loss) and math.isfinite(rec.grad_norm)):
             # every rank sees the merged record, so all stop here together; nothing is saved
             raise Diverged(f"the loss is {rec.loss} (gradient norm {rec.grad_norm}) at step {step}; "

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dynmo.config import Config, ConfigError, NoiseConfig, load_config
-from dynmo.dynamics.noise import Burner, Draws, Noise, check_options
+from dynmo.dynamics.noise import Burner, Draws, Noise, check_options, recorded_costs
 from dynmo.dynamics.registry import CASES
 from dynmo.model import stats
 from dynmo.model.layers import build_layer, layer_specs
@@ -43,6 +43,19 @@ def test_draws_are_reproducible_and_depend_on_the_seed(seed, step, layer, mb, pr
     assert a.straggler(step, process, mb) == b.straggler(step, process, mb)
     assert 0.0 <= a.jitter(step, layer, mb) <= 0.6
     assert a.jitter(step, layer, mb) != other.jitter(step, layer, mb)  # continuous draws: equal only by accident
+
+
+def test_recorded_costs_are_the_median_of_each_layers_draws():
+    """What runs with injected costs record under noise: per layer, its cost times the median
+    of its factors over the step's microbatches, on the rank that holds it."""
+    slow = Draws(NoiseConfig(enabled=True, seed=1, slow_rank=1, slow_factor=1.5, slow_every=10, slow_steps=2))
+    assert recorded_costs(slow, 11, [1.0, 2.0, 2.0], [0, 0, 1], 4) == [1.0, 2.0, 3.0]  # rank 1's slow phase
+    assert recorded_costs(slow, 12, [1.0, 2.0, 2.0], [0, 0, 1], 4) == [1.0, 2.0, 2.0]
+    noisy = Draws(NoiseConfig(enabled=True, seed=3, jitter=0.3, straggler_prob=0.2))
+    got = recorded_costs(noisy, 5, [1.0, 2.0], [0, 1], 5)
+    assert got == [c * statistics.median(noisy.factor(5, i, mb, r, r) for mb in range(5))
+                   for i, (c, r) in enumerate(zip([1.0, 2.0], [0, 1]))]
+    assert got == recorded_costs(noisy, 5, [1.0, 2.0], [0, 1], 5) != recorded_costs(noisy, 6, [1.0, 2.0], [0, 1], 5)
 
 
 def test_draws_differ_across_seeds_as_a_whole():

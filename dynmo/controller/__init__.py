@@ -37,7 +37,9 @@ to that noise looks better than it is (the winner's curse). So `auto` moves laye
     one-sided t-test on the per-step savings of the window, or of up to 20 observed steps
     (`evidence.supported`), so a saving the steps' own variation could produce moves nothing;
   - the proposed move is confirmed on 2 fresh steps (`evidence.confirmed`), so a real change is
-    acted on `window` + 2 steps after it happened (5 by default);
+    acted on `window` + 2 steps after it happened (5 by default); a change the model announces
+    (a dynamism event) is acted on from its first window alone, `window` steps after it
+    (`evidence.announced`): what changed and when is known, not selected from noise;
   - failing the window's optimum, the optimum of every observed step's median cost (`steady`,
     searched once a window) is tested the same way: a small gain under noise needs more steps
     than the window to stand out, and the window's optimum moves with the window's noise;

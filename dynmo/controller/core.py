@@ -71,6 +71,7 @@ class Controller(Scoring):
     searched: Layout | None = None  # the last local search's best layout, a candidate until the next search
     widest: int = 0  # the most pipeline positions the run has had: re-packing's reference
     steady: Layout | None = None  # auto: the optimum of every observed step's costs, searched once a window
+    changed_at: int = 0  # auto: the observed steps when the model last announced a change (0: none pending)
     repack_memo: dict = field(default_factory=dict, repr=False)  # re-packing: each observed step's best step time
     # the history's steps' predicted step times, each (step, layout) simulated once
     cache: HistoryTimes = field(default_factory=HistoryTimes, init=False, repr=False)
@@ -102,6 +103,7 @@ class Controller(Scoring):
         if len(self.history) >= self.cfg.window:
             self.peak_total = max(self.peak_total, sum(self.forecast()))
         if changed:
+            self.changed_at = self.observed  # the changed model's first window may move on its own evidence
             self.judge.forget()  # the step time changed for another reason: nothing to judge
             # a standing proposal stays: its fresh steps, on the changed model, confirm it or not
             # (dropping it here let a model that changes every 5 steps outrun every confirmation)
@@ -123,6 +125,7 @@ class Controller(Scoring):
         self.judge.step_times.clear()
         self.proposal = None
         self.searched = self.steady = None
+        self.changed_at = 0
         self.microbatches = microbatches
 
     def forecast(self) -> list[float] | None:
@@ -203,6 +206,10 @@ class Controller(Scoring):
                 continue
             if c.when != "auto":
                 return self._rebalanced(step, problem, current, cand, t_old, t_cand, horizon, layer_bytes)
+            if cand is new and self._announced_window() and evidence.announced(
+                    self.per_step_gains(current, cand), c.window, margin):
+                self.changed_at, self.proposal = 0, None  # once per change
+                return self._rebalanced(step, problem, current, cand, t_old, t_cand, horizon, layer_bytes)
             if not evidence.supported(self.per_step_gains(current, cand), c.window, margin):
                 continue
             chosen, self.proposal = evidence.confirmed(self.proposal, self.observed, len(self.history), c.window,
@@ -216,6 +223,12 @@ class Controller(Scoring):
         if rejected:
             self.proposal = None
         return None
+
+    def _announced_window(self) -> bool:
+        """The window holds the first `window` steps from the announced change's step, or from
+        the step after it (`evidence.announced`)."""
+        since = self.observed - self.changed_at + 1  # steps observed from the change's step on
+        return self.cfg.when == "auto" and self.changed_at > 0 and self.cfg.window <= since <= self.cfg.window + 1
 
     def _steady_option(self, current: Layout, search: bool) -> tuple[Layout | None, float, float]:
         """(the optimum of the per-layer median over every observed step, the mean step time of

@@ -21,6 +21,15 @@ gains there are biased up (the winner's curse). A proposal is therefore confirme
 CONFIRM fresh steps that played no part in choosing it: their mean gain must clear the margin,
 and the test above, fresh steps included, must still hold.
 
+A change the model announces (a dynamism event: a pruning step, frozen blocks, exits switched
+on, the skew) is not the winner's curse: what changed, and when, is known, not selected from
+noise. The first window of steps of the changed model (`announced`) therefore moves layers on
+its own evidence, the window test above, without waiting for fresh steps: the paper's
+Algorithm 1 (profile the changed model, then rebalance), with the test added. Whether the
+event's own step already ran the changed model differs between cases (the skew and pruning
+change the step that reports them; exits and freezing the next one), so the window that ends
+on the event's step + `window` - 1 and the one after it both qualify, once.
+
 Each function takes what it judges and returns a verdict; the controller keeps the state.
 """
 
@@ -105,3 +114,8 @@ def confirmed(proposal: tuple | None, observed: int, fresh_max: int, window: int
             if fmean(gains[-fresh:]) > margin and supported(gains, window, margin):
                 return proposed, None
     return None, (new.boundaries, observed)
+
+
+def announced(gains: list[float], window: int, margin: float) -> bool:
+    """The first window after an announced change: the window's steps alone, at 97.5%."""
+    return len(gains) >= window and significant(gains[-window:], margin, t975)

@@ -55,6 +55,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from statistics import median
 from contextlib import nullcontext
 from typing import Any
 
@@ -181,6 +182,17 @@ class Draws:
     def extra(self, step: int, layer: int, microbatch: int, process: int, pp_rank: int) -> float:
         """e = factor - 1 >= 0: the extra work in units of the layer's own time."""
         return self.factor(step, layer, microbatch, process, pp_rank) - 1.0
+
+
+def recorded_costs(draws: Draws, step: int, costs: list[float], ranks: list[int], microbatches: int) -> list[float]:
+    """What the profiler records at `step` for layers of per-microbatch `costs` (seconds) under
+    this noise: per layer, the median over the step's microbatches of its cost times its
+    factor on pipeline rank `ranks[i]` (that rank's process too: a run of one replica). The
+    extra work, booked to the forward, is e x (forward + backward), so a layer's whole cost
+    scales by its factor. Runs that record injected costs (`dynmo.runtime.faults`) record
+    these, so what the controller decides under noise does not depend on the machine."""
+    return [c * median(draws.factor(step, i, mb, r, r) for mb in range(max(1, microbatches)))
+            for i, (c, r) in enumerate(zip(costs, ranks))]
 
 
 class Burner:

@@ -18,7 +18,9 @@ controller's `layer_cost_s`, and a third of each as the layer's forward and two 
 backward (a measured weight-gradient part is scaled with the backward). The metrics, the trace
 and the DynMo loop all see them, so a replay of the trace decides on them too. Step times
 stay measured, and so does everything steps before the first segment record. The model and
-its compute are untouched.
+its compute are untouched. With `[noise]` on, the recorded costs carry the noise's own seeded
+draws (`dynmo.dynamics.noise.recorded_costs`), so a test of the controller under noise
+decides the same on any machine while the run still does the noise's real work.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import os
 import signal
 from dataclasses import replace
 from functools import lru_cache
+from typing import Callable
 
 from dynmo.record import StepRecord
 
@@ -82,8 +85,9 @@ def _cost_segments(spec: str) -> tuple[tuple[int, tuple[float, ...]], ...]:
                          "and positive milliseconds per layer") from None
 
 
-def injected_costs(rec: StepRecord) -> StepRecord:
-    """`rec` with the per-layer costs DYNMO_COSTS gives for its step (see above), or `rec` itself."""
+def injected_costs(rec: StepRecord, perturb: Callable[[int, list[float]], list[float]] | None = None) -> StepRecord:
+    """`rec` with the per-layer costs DYNMO_COSTS gives for its step (see above), or `rec` itself;
+    `perturb(step, costs)`, if given, turns them into what the profiler records (the noise)."""
     spec = os.environ.get("DYNMO_COSTS", "")
     if not spec:
         return rec
@@ -93,6 +97,8 @@ def injected_costs(rec: StepRecord) -> StepRecord:
     costs = list(current[-1])
     if len(costs) != len(rec.layer_cost_s):
         raise ValueError(f"DYNMO_COSTS gives {len(costs)} layer costs; the model has {len(rec.layer_cost_s)} layers")
+    if perturb is not None:
+        costs = perturb(rec.step, costs)
     bwd = [2 * c / 3 for c in costs]
     wgrad = None
     if rec.layer_wgrad_s:
