@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib
 import sys
 
-from dynmo import requirements
 
 VERBS = {
     "train": ("dynmo.launch", "train a pipeline-parallel model (launches torchrun)"),
@@ -16,6 +15,7 @@ VERBS = {
     "simulate": ("dynmo.sim.cli", "simulate pipeline schedules at cluster scale"),
     "export": ("dynmo.export", "write a llama/mixtral checkpoint as a Hugging Face model folder"),
     "bench": ("dynmo.bench", "headline benchmark: real 2-rank runs per case + paper-scale simulation"),
+    "tensor": ("dynmo.tensor.cli", "sparse tensors: features of .tns files, tensors made from text"),
 }
 # Verbs that run PyTorch check its version first. `balance` and `simulate` are pure numpy, and
 # `bench` trains through `dynmo train` subprocesses (checked there), so `bench --no-real` needs no torch.
@@ -37,7 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     if verb not in VERBS:
         print(f"dynmo: unknown verb {verb!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    problem = requirements.check_torch() if verb in NEEDS_TORCH else None
+    problem = None
+    if verb in NEEDS_TORCH:
+        from dynmo import requirements  # reads package metadata: only verbs that need torch pay for it
+
+        problem = requirements.check_torch()
     if problem:  # before importing torch: an old one would fail later, deep inside a worker
         print(f"dynmo: error: {problem}", file=sys.stderr)
         return 2

