@@ -272,6 +272,14 @@ def test_distributed_pruning_mask_is_global_unstructured_and_survives_training_a
     assert [r["prune_density"][1:-1] for r in recs[:3]] == [[1.0] * 4] * 3
     assert all(k in (0.0, 1.0) for k in recs[-1]["prune_kernel"][1:-1])
     assert all(t > 0 for t in recs[-1]["prune_dense_ms"][1:-1] + recs[-1]["prune_csr_ms"][1:-1])
+    # each pruned Linear's mask features, in PRUNABLE order, carried through the migration
+    for b in range(4):
+        masks = [w9[f"block{b}.{n}.weight"] != 0 for n in PRUNABLE]
+        assert recs[-1]["prune_rows_max"][b + 1] == [float(m.sum(1).max()) for m in masks]
+        assert recs[-1]["prune_cols_nz_density"][b + 1] == pytest.approx([float(m.any(0).float().mean()) for m in masks])
+    # kernel times are priced from the features once a pruning step has been measured
+    assert recs[3].get("prune_csr_pred_ms") is None
+    assert all(t > 0 for t in recs[6]["prune_csr_pred_ms"][1:-1] + recs[6]["prune_dense_pred_ms"][1:-1])
     # resuming restores the masks from the saved zeros (then prunes again at step 6): same run
     run_train(tmp_path / "resumed", "--steps", "9", *PRUNE, *MAGNITUDE, "--prune.kernel", "csr",
               "--checkpoint.resume", str(tmp_path / "checkpoint-6"), "--parallel.layout", "0,2,6")

@@ -63,10 +63,17 @@ Per-layer metrics: prune_density (live / original Linear weights), prune_kernel 
 1 csr), prune_dense_ms / prune_csr_ms (measured fwd+bwd of the block's Linears at the last
 pruning step), prune_macs_per_token (multiply-adds per token of the block's Linears under the
 chosen kernel: nnz for csr, all entries for dense), prune_hidden (MLP width; structured).
+Unstructured runs also record each pruned Linear's mask features (`dynmo.tensor.matrix`):
+prune_rows_<stat> and prune_cols_<stat> for stat in nz_density, max, cv, imbal (nonzeros per
+row and per column), each a list over the block's pruned Linears; and, with kernel = auto,
+prune_dense_pred_ms / prune_csr_pred_ms: the block's kernel times as `KernelModel` predicted
+them from those features before they were measured (fitted on this rank's earlier pruning
+steps; absent at the first).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -88,6 +95,7 @@ from dynmo.dynamics.prunemask import (
 from dynmo.dynamics.topk import group_sum
 from dynmo.model.layers import block_class
 from dynmo.model.sparse import KERNELS, PrunedLinear, set_mask, time_kernels
+from dynmo.tensor.matrix import MATRIX_STATS, KernelModel, KernelSample, matrix_features
 
 # the public names, with the scoring and the cut of prunemask that callers import from here
 __all__ = ["PRUNABLE", "SCORINGS", "Prune", "check_options", "floor_count", "keep_with_floor", "scores", "shrink_mlp",
@@ -194,6 +202,11 @@ class Prune(Case):
         self.full_hidden = block.mlp.fc.out_features if self.opts.structured else 0
         self.kernel: dict[int, str] = {}  # layer index -> chosen kernel (unstructured, after pruning)
         self.timings: dict[int, dict[str, float]] = {}
+        # layer index -> the pruned Linears' mask features, in `names` order: rows then cols,
+        # MATRIX_STATS each; and the kernel times the model predicted before they were measured
+        self.features: dict[int, list[float]] = {}
+        self.predicted: dict[int, dict[str, float]] = {}
+        self.kernel_model = KernelModel()  # fitted on this rank's measurements, step after step
         self.sparsity = 0.0
         self.hidden: list[int] | None = None  # structured: every block's MLP width, model-wide
 
@@ -269,13 +282,31 @@ class Prune(Case):
                 st[k].mul_(mask)
 
     def _choose_kernels(self, blocks: dict[int, nn.Module], per_block: dict[int, dict[str, torch.Tensor]]) -> None:
-        t = torch.zeros(self.host.num_layers, 2, dtype=torch.float64)
+        t = torch.zeros(self.host.num_layers, 4, dtype=torch.float64)  # dense, csr measured; predicted
+        samples = []
+        for i, ms in per_block.items():
+            feats: list[float] = []
+            predicted = self.opts.kernel == "auto" and all(self.kernel_model.ready(k) for k in KERNELS)
+            for name, mask in ms.items():
+                rows, cols = (int(d) for d in mask.shape)
+                per_row = mask.sum(1).cpu().numpy()
+                f = matrix_features(per_row, mask.sum(0).cpu().numpy())
+                feats += [f[side][k] for side in ("rows", "cols") for k in MATRIX_STATS]
+                if self.opts.kernel != "auto":
+                    continue
+                sample = KernelSample(rows, cols, int(per_row.sum()), int(per_row.max()), self.rows)
+                if predicted:  # priced from the mask's features before the kernels run
+                    t[i, 2] += self.kernel_model.predict(sample, "dense")
+                    t[i, 3] += self.kernel_model.predict(sample, "csr")
+                r = time_kernels(blocks[i].get_submodule(name), mask, self.rows, dtype=self.host.dtype)
+                samples.append(replace(sample, seconds=r))
+                t[i, 0] += r["dense"]
+                t[i, 1] += r["csr"]
+            self.features[i] = feats
+            if predicted:
+                self.predicted[i] = {"dense": float(t[i, 2]), "csr": float(t[i, 3])}
         if self.opts.kernel == "auto":
-            for i, ms in per_block.items():
-                for name, mask in ms.items():
-                    r = time_kernels(blocks[i].get_submodule(name), mask, self.rows, dtype=self.host.dtype)
-                    t[i, 0] += r["dense"]
-                    t[i, 1] += r["csr"]
+            self.kernel_model.add(samples)
             if self.host.replica_group is not None:  # replicas pick alike
                 group_sum(t, self.host.replica_group)
                 t /= self.host.replicas
@@ -329,6 +360,13 @@ class Prune(Case):
             if i in self.timings:
                 out.setdefault("prune_dense_ms", {})[i] = 1e3 * self.timings[i]["dense"]
                 out.setdefault("prune_csr_ms", {})[i] = 1e3 * self.timings[i]["csr"]
+            if i in self.predicted:
+                out.setdefault("prune_dense_pred_ms", {})[i] = 1e3 * self.predicted[i]["dense"]
+                out.setdefault("prune_csr_pred_ms", {})[i] = 1e3 * self.predicted[i]["csr"]
+            if i in self.features:  # one list per statistic: a value per pruned Linear, `prunable` order
+                n = len(MATRIX_STATS)
+                for k, (side, stat) in enumerate((s, m) for s in ("rows", "cols") for m in MATRIX_STATS):
+                    out.setdefault(f"prune_{side}_{stat}", {})[i] = self.features[i][k::2 * n]
             if self.opts.structured and getattr(block, "mlp", None) is not None:
                 out.setdefault("prune_hidden", {})[i] = block.mlp.fc.out_features
         return out
@@ -347,6 +385,11 @@ class Prune(Case):
         if index in self.timings:
             tm = self.timings.pop(index)
             out["timings"] = torch.tensor([tm["dense"], tm["csr"]], dtype=torch.float64)
+        if index in self.predicted:
+            tm = self.predicted.pop(index)
+            out["predicted"] = torch.tensor([tm["dense"], tm["csr"]], dtype=torch.float64)
+        if index in self.features:
+            out["features"] = torch.tensor(self.features.pop(index), dtype=torch.float64)
         return out
 
     def unpack_layer(self, index: int, layer: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
@@ -355,6 +398,11 @@ class Prune(Case):
         if "timings" in tensors:
             d, c = tensors["timings"].tolist()
             self.timings[index] = {"dense": d, "csr": c}
+        if "predicted" in tensors:
+            d, c = tensors["predicted"].tolist()
+            self.predicted[index] = {"dense": d, "csr": c}
+        if "features" in tensors:
+            self.features[index] = tensors["features"].tolist()
         for key, mask in tensors.items():
             if key.startswith("mask."):
                 set_mask(layer, key[5:], mask, self.kernel.get(index, "dense"))
