@@ -2,10 +2,15 @@
 
     dynmo tensor features FILE.tns [--sizes I,J,K] [--header | --no-header]
                           [--json OUT] [--csv OUT] [--plot OUT.png] [--overwrite] [--quiet]
+    dynmo tensor generate --sizes I,J,K[,...] --density D [--slice-density S] [--fiber-density F]
+                          [--cv-fibers-per-slice C] [--cv-nnz-per-fiber V] [--seed R]
+                          [--values uniform|normal|ones] --out FILE.tns [--overwrite]
     dynmo tensor ngram --order N --out FILE.tns [--paths TEXT ...] [--overwrite]
 
 `features` prints the features of a FROSTT `.tns` file (plain or gzip) as tables and writes
-them as JSON, CSV and a plot (docs/tensors.md). `ngram` makes a real sparse tensor from text:
+them as JSON, CSV and a plot (docs/tensors.md). `generate` writes a tensor with the density,
+slice and fiber densities and cvs asked for (GenTensor's targets), or says why the sizes
+cannot hold them. `ngram` makes a real sparse tensor from text:
 the counts of each run of N consecutive words (by default over the Shakespeare plays dynmo
 trains on). Bad input (a malformed line, a repeated coordinate, an output file that exists
 without --overwrite, ...) is one line `dynmo tensor: error: ...` and exit 2, before any output is
@@ -45,6 +50,25 @@ def _parser() -> ArgumentParser:
     f.add_argument("--plot", metavar="OUT.png", help="plot the distributions (log-log)")
     f.add_argument("--overwrite", action="store_true", help="replace output files that exist")
     f.add_argument("--quiet", action="store_true", help="no progress on stderr, no table on stdout")
+    g = sub.add_parser("generate", prog=f"{PROG} generate", help="a tensor with the features asked for",
+                       description="Generate a sparse tensor meeting five targets (GenTensor's): its density, the "
+                                   "density of nonempty slices of the last two modes and of nonempty fibers of the "
+                                   "last mode, and the cvs of fibers per slice and nonzeros per fiber.")
+    g.add_argument("--sizes", required=True, help="the mode sizes, comma-separated (3 or more modes)")
+    g.add_argument("--density", type=float, required=True, help="nonzeros / all entries")
+    g.add_argument("--slice-density", type=float, default=1.0,
+                   help="nonempty slices of the last two modes / all of them (default 1)")
+    g.add_argument("--fiber-density", type=float, default=0.01,
+                   help="nonempty fibers of the last mode / all of them (default 0.01)")
+    g.add_argument("--cv-fibers-per-slice", type=float, default=0.5,
+                   help="cv of the fibers each nonempty slice holds (default 0.5)")
+    g.add_argument("--cv-nnz-per-fiber", type=float, default=0.5,
+                   help="cv of the nonzeros each nonempty fiber holds (default 0.5)")
+    g.add_argument("--seed", type=int, default=1, help="the random seed (default 1): same seed, same tensor")
+    g.add_argument("--values", default="uniform", help="uniform in (0, 1] (default), normal, or ones")
+    g.add_argument("--out", required=True, help="the .tns file to write (.gz for gzip)")
+    g.add_argument("--header", action="store_true", help="write an order line and a sizes line first")
+    g.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     n = sub.add_parser("ngram", prog=f"{PROG} ngram", help="a tensor of word n-gram counts from text",
                        description="Make an order-N sparse tensor from text: entry (w1, ..., wN) counts how often "
                                    "those N words follow each other. Words are numbered by first appearance.")
@@ -151,6 +175,28 @@ def _ngram(args) -> int:
     return 0
 
 
+def _generate(args) -> int:
+    from dynmo.tensor.generate import GenerateError, Request, generate, plan
+    from dynmo.tensor.tns import write_tns
+
+    sizes = _sizes(args.sizes)
+    _check_out(args.out, args.overwrite, "--out")
+    req = Request(sizes, args.density, args.slice_density, args.fiber_density, args.cv_fibers_per_slice,
+                  args.cv_nnz_per_fiber, args.seed, args.values)
+    t0 = time.perf_counter()
+    try:
+        p = plan(req)
+        t = generate(req)
+    except GenerateError as e:
+        raise InputError(str(e)) from None
+    t1 = time.perf_counter()
+    write_tns(t, args.out, header=args.header)
+    print(f"{args.out}: order {t.order}, sizes {'x'.join(map(str, t.sizes))}, nnz {t.nnz}, {p.slices} nonempty "
+          f"slices, {p.fibers} nonempty fibers (generated in {t1 - t0:.1f} s, written in "
+          f"{time.perf_counter() - t1:.1f} s)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = _parser()
     args = parse_args(ap, argv)
@@ -160,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.print_help()
         return 0
     try:
-        return _features(args) if args.cmd == "features" else _ngram(args)
+        return {"features": _features, "generate": _generate, "ngram": _ngram}[args.cmd](args)
     except InputError as e:
         return fail(PROG, e)
     except OSError as e:

@@ -80,8 +80,8 @@ def plot(f: TensorFeatures, path: str) -> None:
         for d in f.of(kind):
             c = np.sort(d.counts)
             starts = np.flatnonzero(np.concatenate(([True], c[1:] != c[:-1])))
-            ax.loglog(c[starts], np.diff(np.append(starts, c.size)), marker=".", linestyle="-", linewidth=0.8,
-                      markersize=3, label=f"free modes {_modes(d.free_modes)}")
+            ax.loglog(c[starts], np.diff(np.append(starts, c.size)), marker=".", linestyle="none", markersize=4,
+                      alpha=0.7, label=f"free modes {_modes(d.free_modes)}")
         ax.set_title(titles[kind])
         ax.set_xlabel("count k (nonempty only)")
         ax.set_ylabel("groups with count k")
