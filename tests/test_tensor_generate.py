@@ -153,3 +153,39 @@ def test_the_writer_reads_back(tmp_path_factory, seed, kind):
         assert np.array_equal(back.values, v)
     else:
         assert np.allclose(back.values, v, rtol=5.1e-7, atol=0)
+
+
+# ---- CP-ALS -------------------------------------------------------------------------------------
+
+
+def test_mttkrp_and_fit_equal_the_dense_computation():
+    from dynmo.tensor.cp import cp_als, mttkrp
+
+    rng = np.random.default_rng(0)
+    sizes = (6, 5, 4)
+    dense = np.where(rng.random(sizes) < 0.4, rng.standard_normal(sizes), 0.0)
+    nz = np.nonzero(dense)
+    t = from_coo(np.array(nz), dense[nz], sizes)
+    factors = [rng.random((s, 3)) for s in sizes]
+    want = np.einsum("ijk,jr,kr->ir", dense, factors[1], factors[2])
+    assert np.allclose(mttkrp(t, factors, 0, t.values), want)
+    res = cp_als(t, rank=3, iters=5)
+    approx = np.einsum("r,ir,jr,kr->ijk", res.weights, *res.factors)
+    assert res.fit == pytest.approx(1 - np.linalg.norm(dense - approx) / np.linalg.norm(dense), abs=1e-9)
+    assert len(res.seconds) == 5
+
+
+def test_cp_recovers_a_low_rank_tensor_and_the_command_reports_it(tmp_path, capsys):
+    from dynmo.tensor.cp import cp_als
+
+    rng = np.random.default_rng(1)
+    a, b, c = (rng.random((s, 2)) + 0.1 for s in (8, 7, 6))
+    dense = np.einsum("ir,jr,kr->ijk", a, b, c)  # rank 2, every entry nonzero
+    nz = np.nonzero(dense)
+    t = from_coo(np.array(nz), dense[nz], dense.shape)
+    assert cp_als(t, rank=2, iters=200, tol=1e-12).fit > 0.999
+    write_tns(t, tmp_path / "t.tns")
+    assert dynmo_main(["tensor", "cp", str(tmp_path / "t.tns"), "--rank", "2", "--iters", "3",
+                       "--json", str(tmp_path / "cp.json")]) == 0
+    assert "s per iteration" in capsys.readouterr().out
+    assert dynmo_main(["tensor", "cp", str(tmp_path / "t.tns"), "--rank", "0"]) == 2

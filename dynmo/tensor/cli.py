@@ -5,6 +5,7 @@
     dynmo tensor generate --sizes I,J,K[,...] --density D [--slice-density S] [--fiber-density F]
                           [--cv-fibers-per-slice C] [--cv-nnz-per-fiber V] [--seed R]
                           [--values uniform|normal|ones] --out FILE.tns [--overwrite]
+    dynmo tensor cp FILE.tns --rank R [--iters N] [--seed S] [--json OUT] [--overwrite]
     dynmo tensor ngram --order N --out FILE.tns [--paths TEXT ...] [--overwrite]
 
 `features` prints the features of a FROSTT `.tns` file (plain or gzip) as tables and writes
@@ -69,6 +70,17 @@ def _parser() -> ArgumentParser:
     g.add_argument("--out", required=True, help="the .tns file to write (.gz for gzip)")
     g.add_argument("--header", action="store_true", help="write an order line and a sizes line first")
     g.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    c = sub.add_parser("cp", prog=f"{PROG} cp", help="CP-ALS of a .tns file: fit and time per iteration",
+                       description="Decompose a sparse tensor into R rank-one terms by alternating least squares "
+                                   "(MTTKRP over the nonzeros); print the fit and the time of each iteration.")
+    c.add_argument("file", help="a FROSTT .tns file (1-based indices, the value last; gzip too)")
+    c.add_argument("--rank", type=int, default=10, help="R, the number of rank-one terms (default 10)")
+    c.add_argument("--iters", type=int, default=10, help="ALS sweeps (default 10)")
+    c.add_argument("--seed", type=int, default=0, help="seed of the random initial factors (default 0)")
+    c.add_argument("--json", metavar="OUT", help="write the fits and the seconds per iteration as JSON")
+    c.add_argument("--header", dest="header", action="store_const", const=True, default=None,
+                   help="the file starts with an order line and a sizes line (detected when left out)")
+    c.add_argument("--overwrite", action="store_true", help="replace --json if it exists")
     n = sub.add_parser("ngram", prog=f"{PROG} ngram", help="a tensor of word n-gram counts from text",
                        description="Make an order-N sparse tensor from text: entry (w1, ..., wN) counts how often "
                                    "those N words follow each other. Words are numbered by first appearance.")
@@ -197,6 +209,36 @@ def _generate(args) -> int:
     return 0
 
 
+def _cp(args) -> int:
+    import statistics
+
+    from dynmo.tensor.coo import TensorError
+    from dynmo.tensor.cp import cp_als
+    from dynmo.tensor.tns import TensorFileError, read_tns
+
+    if not 1 <= args.rank <= 1000:
+        raise InputError(f"--rank {args.rank}: give 1 to 1000")
+    if not 1 <= args.iters <= 10_000:
+        raise InputError(f"--iters {args.iters}: give 1 to 10000")
+    _check_out(args.json, args.overwrite, "--json")
+    try:
+        t = read_tns(args.file, header=args.header)
+    except (TensorFileError, TensorError) as e:
+        raise InputError(str(e)) from None
+    print(f"{args.file}: order {t.order}, sizes {'x'.join(map(str, t.sizes))}, nnz {t.nnz}; CP-ALS rank {args.rank}")
+    res = cp_als(t, args.rank, args.iters, args.seed,
+                 progress=lambda it, fit, s: print(f"iter {it + 1:>4}  fit {fit:.6f}  {s:.3f} s", flush=True))
+    med = statistics.median(res.seconds)
+    print(f"fit {res.fit:.6f}; {med:.3f} s per iteration (median of {len(res.seconds)})")
+    if args.json:
+        from dynmo.jsonio import dumps
+
+        _write(args.json, dumps({"file": args.file, "order": t.order, "sizes": list(t.sizes), "nnz": t.nnz,
+                                 "rank": args.rank, "fits": res.fits, "seconds": res.seconds,
+                                 "seconds_per_iter": med}, indent=1) + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = _parser()
     args = parse_args(ap, argv)
@@ -206,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.print_help()
         return 0
     try:
-        return {"features": _features, "generate": _generate, "ngram": _ngram}[args.cmd](args)
+        return {"features": _features, "generate": _generate, "cp": _cp, "ngram": _ngram}[args.cmd](args)
     except InputError as e:
         return fail(PROG, e)
     except OSError as e:
