@@ -3,6 +3,7 @@ feasible requests; reproducible by seed; distinct coordinates in range; infeasib
 bad flags one line with exit 2; the fast .tns writer reads back exactly."""
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -189,3 +190,35 @@ def test_cp_recovers_a_low_rank_tensor_and_the_command_reports_it(tmp_path, caps
                        "--json", str(tmp_path / "cp.json")]) == 0
     assert "s per iteration" in capsys.readouterr().out
     assert dynmo_main(["tensor", "cp", str(tmp_path / "t.tns"), "--rank", "0"]) == 2
+
+
+# ---- siblings -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.5])
+def test_a_sibling_keeps_every_modes_spread_exactly_or_to_the_solver(tmp_path, scale):
+    from dynmo.tensor.sibling import sibling, spread_of
+
+    real = read_tns(Path(__file__).parent / "data" / "featensor" / "skew4-10k.tns.gz")
+    want = spread_of(real)
+    t, dropped = sibling(want, scale, seed=3)
+    got = spread_of(t)
+    # this tensor packs its heaviest slices of every mode into one corner: a few repeats are dropped
+    assert t.nnz + dropped == round(real.nnz * scale) and dropped <= 0.001 * t.nnz
+    from_coo(t.coords, t.values, t.sizes)  # distinct coordinates, in range
+    for w, g in zip(want.modes, got.modes):
+        assert g.size == round(w.size * scale)
+        assert g.nonempty == pytest.approx(min(g.size, round(w.nonempty * scale)), abs=dropped)
+        assert g.cv == pytest.approx(w.cv, rel=0.02)
+
+
+def test_sibling_from_a_features_document_and_the_command(tmp_path, capsys):
+    real = tmp_path / "r.tns"
+    write_tns(generate(Request((60, 70, 80), 0.004, 0.9, 0.05, 0.8, 0.7, seed=2)), real)
+    assert dynmo_main(["tensor", "features", str(real), "--json", str(tmp_path / "f.json"), "--quiet"]) == 0
+    for src in (real, tmp_path / "f.json"):
+        out = tmp_path / f"s-{src.suffix}.tns"
+        assert dynmo_main(["tensor", "generate", "--like", str(src), "--scale", "2", "--out", str(out)]) == 0
+        assert read_tns(out).nnz == 2 * read_tns(real).nnz
+    assert dynmo_main(["tensor", "generate", "--like", str(real), "--density", "0.1", "--out", str(tmp_path / "x")]) == 2
+    assert "leave out --sizes and --density" in capsys.readouterr().err

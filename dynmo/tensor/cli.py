@@ -54,9 +54,15 @@ def _parser() -> ArgumentParser:
     g = sub.add_parser("generate", prog=f"{PROG} generate", help="a tensor with the features asked for",
                        description="Generate a sparse tensor meeting five targets (GenTensor's): its density, the "
                                    "density of nonempty slices of the last two modes and of nonempty fibers of the "
-                                   "last mode, and the cvs of fibers per slice and nonzeros per fiber.")
-    g.add_argument("--sizes", required=True, help="the mode sizes, comma-separated (3 or more modes)")
-    g.add_argument("--density", type=float, required=True, help="nonzeros / all entries")
+                                   "last mode, and the cvs of fibers per slice and nonzeros per fiber; or, with "
+                                   "--like, a sibling of a real tensor.")
+    g.add_argument("--sizes", help="the mode sizes, comma-separated (3 or more modes)")
+    g.add_argument("--density", type=float, help="nonzeros / all entries")
+    g.add_argument("--like", metavar="REAL", help="instead of the targets: a sibling of a real tensor (a .tns, or "
+                                                   "the JSON of `dynmo tensor features` of an order-3 one) whose "
+                                                   "every mode spreads its nonzeros over its slices as the real one's")
+    g.add_argument("--scale", type=float, default=1.0, help="with --like: multiply the sizes, each mode's nonempty "
+                                                             "slices and the nonzeros by this (default 1)")
     g.add_argument("--slice-density", type=float, default=1.0,
                    help="nonempty slices of the last two modes / all of them (default 1)")
     g.add_argument("--fiber-density", type=float, default=0.01,
@@ -191,6 +197,10 @@ def _generate(args) -> int:
     from dynmo.tensor.generate import GenerateError, Request, generate, plan
     from dynmo.tensor.tns import write_tns
 
+    if args.like:
+        return _sibling(args)
+    if args.sizes is None or args.density is None:
+        raise InputError("give --sizes and --density (the targets), or --like REAL.tns for a sibling")
     sizes = _sizes(args.sizes)
     _check_out(args.out, args.overwrite, "--out")
     req = Request(sizes, args.density, args.slice_density, args.fiber_density, args.cv_fibers_per_slice,
@@ -236,6 +246,31 @@ def _cp(args) -> int:
         _write(args.json, dumps({"file": args.file, "order": t.order, "sizes": list(t.sizes), "nnz": t.nnz,
                                  "rank": args.rank, "fits": res.fits, "seconds": res.seconds,
                                  "seconds_per_iter": med}, indent=1) + "\n")
+    return 0
+
+
+def _sibling(args) -> int:
+    from dynmo.tensor.coo import TensorError
+    from dynmo.tensor.generate import GenerateError
+    from dynmo.tensor.sibling import load_spread, sibling
+    from dynmo.tensor.tns import TensorFileError, write_tns
+
+    if args.sizes is not None or args.density is not None:
+        raise InputError("--like takes the sizes and the nonzeros from the real tensor: leave out --sizes and "
+                         "--density (use --scale to scale them)")
+    _check_out(args.out, args.overwrite, "--out")
+    t0 = time.perf_counter()
+    try:
+        spread = load_spread(args.like)
+        t, dropped = sibling(spread, args.scale, args.seed, args.values)
+    except (GenerateError, TensorFileError, TensorError) as e:
+        raise InputError(str(e)) from None
+    t1 = time.perf_counter()
+    write_tns(t, args.out, header=args.header)
+    note = f", {dropped} repeated coordinates dropped" if dropped else ""
+    print(f"{args.out}: a sibling of {args.like} at scale {args.scale:g}: order {t.order}, sizes "
+          f"{'x'.join(map(str, t.sizes))}, nnz {t.nnz}{note} (made in {t1 - t0:.1f} s, written in "
+          f"{time.perf_counter() - t1:.1f} s)")
     return 0
 
 
