@@ -246,30 +246,29 @@ def _ranks(counts: np.ndarray) -> np.ndarray:
 
 
 def _rejection(counts: np.ndarray, size: int, rng: np.random.Generator) -> np.ndarray:
-    """counts[g] distinct values in [0, size) per group (each count <= size): draw, and redraw
-    the repeats within a group until there are none. Flattened in group order."""
-    group = np.repeat(np.arange(counts.size), counts)
-    vals = rng.integers(0, size, group.size)
-    todo = np.arange(group.size)  # positions that may still collide
-    fits = counts.size * size < 2**62
-    while todo.size:
-        g, v = group[todo], vals[todo]
-        if fits:
-            order = np.argsort(g * size + v, kind="stable")
-        else:  # the (group, value) key would overflow int64
-            order = np.lexsort((v, g))
-        same = (g[order[1:]] == g[order[:-1]]) & (v[order[1:]] == v[order[:-1]])
-        dup = np.zeros(todo.size, dtype=bool)
-        dup[order[1:]] = same  # every repeat after the first of its value
-        if not dup.any():
-            break
-        again = todo[dup]
-        vals[again] = rng.integers(0, size, again.size)
-        # the redrawn may now collide with anything in their groups: check those groups again
-        hit = np.zeros(counts.size, dtype=bool)
-        hit[group[again]] = True
-        todo = np.flatnonzero(hit[group])
-    return vals
+    """counts[g] distinct values in [0, size) per group (each count <= size), each group's in
+    ascending order, flattened in group order: draw them all, keep each group's distinct ones,
+    draw again only what is missing (checked against what is kept), until nothing is."""
+    n_groups = counts.size
+    if n_groups * size >= 2**62:  # the (group, value) key would overflow int64: group by group
+        return np.concatenate([np.sort(rng.choice(size, int(c), replace=False)) for c in counts])
+    group = np.repeat(np.arange(n_groups, dtype=np.int64), counts)
+    if group.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    keys = np.sort(group * size + rng.integers(0, size, group.size))
+    kept = [keys[np.concatenate(([True], keys[1:] != keys[:-1]))]]
+    missing = counts - np.bincount(kept[0] // size, minlength=n_groups)
+    while missing.any():
+        g = np.repeat(np.arange(n_groups, dtype=np.int64), missing)
+        new = np.sort(g * size + rng.integers(0, size, g.size))
+        ok = np.concatenate(([True], new[1:] != new[:-1]))
+        for k in kept:
+            if k.size:
+                ok &= k[np.minimum(np.searchsorted(k, new), k.size - 1)] != new
+        kept.append(new[ok])
+        missing -= np.bincount(kept[-1] // size, minlength=n_groups)
+    out = np.sort(np.concatenate(kept)) if len(kept) > 1 else kept[0]
+    return out % size
 
 
 def _values(kind: str, n: int, rng: np.random.Generator) -> np.ndarray:

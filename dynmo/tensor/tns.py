@@ -245,24 +245,20 @@ def write_tns(t: SparseTensor, path, header: bool = False) -> None:
             os.remove(tmp)
 
 
-_POW10 = 10 ** np.arange(19, dtype=np.int64)
-
-
 def _digits(buf: np.ndarray, end: int, a: np.ndarray, width: int) -> None:
-    """Write the integers a >= 0 right-aligned in columns [end - width, end) of buf (spaces before)."""
+    """Write the integers a >= 0 right-aligned in rows [end - width, end) of buf (one row per
+    character position, one column per line: each write is contiguous), spaces before."""
+    q = a.astype(np.int32 if width <= 9 else np.int64)
     for k in range(width):
-        col = end - 1 - k
-        d = (a // _POW10[k]) % 10
-        if k == 0:
-            buf[:, col] = 48 + d
-        else:
-            buf[:, col] = np.where(a >= _POW10[k], 48 + d, 32)
+        d = q % 10
+        buf[end - 1 - k] = 48 + d if k == 0 else np.where(q > 0, 48 + d, 32)
+        q //= 10
 
 
 def _lines(coords: np.ndarray, vals: np.ndarray, widths: list[int], vw: int, whole: bool) -> bytes:
     n = coords.shape[1]
     line = sum(widths) + len(widths) + vw + 1  # a space after each index, the value, the newline
-    buf = np.full((n, line), 32, dtype=np.uint8)
+    buf = np.full((line, n), 32, dtype=np.uint8)  # transposed: built position by position
     pos = 0
     for m, w in enumerate(widths):
         _digits(buf, pos + w, coords[m] + 1, w)
@@ -272,7 +268,7 @@ def _lines(coords: np.ndarray, vals: np.ndarray, widths: list[int], vw: int, who
         _digits(buf, pos + vw, np.abs(v), vw - 1)
         ndig = np.maximum(1, np.floor(np.log10(np.maximum(np.abs(v), 1))).astype(np.int64) + 1)
         neg = np.flatnonzero(v < 0)
-        buf[neg, pos + vw - 1 - ndig[neg]] = ord("-")
+        buf[pos + vw - 1 - ndig[neg], neg] = ord("-")
     else:  # [sign]d.dddddde[+-]XX: 13 characters
         a = np.abs(vals)
         e = np.where(a > 0, np.floor(np.log10(np.where(a > 0, a, 1.0))), 0).astype(np.int64)
@@ -280,17 +276,19 @@ def _lines(coords: np.ndarray, vals: np.ndarray, widths: list[int], vw: int, who
         carry = mant >= 10_000_000  # 9.9999996 rounds up to 10.000000
         mant = np.where(carry, mant // 10, mant)
         e = e + carry
-        buf[:, pos] = np.where(vals < 0, ord("-"), 32)
-        buf[:, pos + 1] = 48 + mant // 1_000_000
-        buf[:, pos + 2] = ord(".")
-        _digits(buf, pos + 9, mant % 1_000_000, 6)
-        buf[:, pos + 3:pos + 9][buf[:, pos + 3:pos + 9] == 32] = ord("0")
-        buf[:, pos + 9] = ord("e")
-        buf[:, pos + 10] = np.where(e < 0, ord("-"), ord("+"))
         ea = np.abs(e)
-        buf[:, pos + 11] = 48 + (ea // 10) % 10
-        buf[:, pos + 12] = 48 + ea % 10
         if (ea >= 100).any():
             raise ValueError("a value beyond 1e99 or below 1e-99 cannot be written in 13 characters")
-    buf[:, -1] = 10
-    return buf.tobytes()
+        buf[pos] = np.where(vals < 0, ord("-"), 32)
+        buf[pos + 1] = 48 + mant // 1_000_000
+        buf[pos + 2] = ord(".")
+        m6 = (mant % 1_000_000).astype(np.int32)
+        for k in range(6):  # all six decimals, zeros included
+            buf[pos + 8 - k] = 48 + m6 % 10
+            m6 //= 10
+        buf[pos + 9] = ord("e")
+        buf[pos + 10] = np.where(e < 0, ord("-"), ord("+"))
+        buf[pos + 11] = 48 + ea // 10
+        buf[pos + 12] = 48 + ea % 10
+    buf[-1] = 10
+    return buf.T.tobytes()
