@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# Indices are kept as int64; 2**62 keeps every mixed-radix key of two indices in range.
+# Keys are int64; sizes up to 2**62 keep every mixed-radix key of two indices in range.
 MAX_SIZE = 2**62
 
 
@@ -21,7 +21,7 @@ class TensorError(ValueError):
 
 @dataclass(frozen=True)
 class SparseTensor:
-    coords: np.ndarray  # (order, nnz) int64, 0-based, every index below its mode's size
+    coords: np.ndarray  # (order, nnz) integers, 0-based, below their mode's size (int32 where they fit)
     values: np.ndarray | None  # (nnz,) float64; None when read for features only
     sizes: tuple[int, ...]
     name: str = ""
@@ -56,7 +56,7 @@ def from_coo(coords, values=None, sizes=None, name: str = "", check_duplicates: 
     if not np.issubdtype(c.dtype, np.integer):
         if not np.all(np.isfinite(c)) or np.any(c != np.floor(c)):
             raise TensorError("coords must be integers")
-    c = c.astype(np.int64, copy=False)
+    c = c.astype(np.int32 if c.size and int(c.max()) < 2**31 else np.int64, copy=False)
     lo = c.min(axis=1)
     if np.any(lo < 0):
         raise TensorError(f"mode {int(np.argmax(lo < 0))} has a negative index ({int(lo.min())}); coords are 0-based")

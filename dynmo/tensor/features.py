@@ -51,7 +51,7 @@ class DuplicateError(TensorError):
 def distribution_stats(counts: np.ndarray, all_cnt: int) -> dict[str, float | int]:
     """The fifteen statistics of a distribution: `counts` of its nonempty groups, `all_cnt` groups
     in all (the rest empty)."""
-    c = np.asarray(counts, dtype=np.int64)
+    c = np.asarray(counts)
     nz = int(c.size)
     if nz == 0:
         raise ValueError("a distribution needs at least one nonempty group")
@@ -76,7 +76,7 @@ class Distribution:
     kind: str  # one of KINDS
     free_modes: tuple[int, ...]  # 0-based, ascending: the modes that vary inside the slice or fiber
     all_cnt: int
-    counts: np.ndarray  # nonempty groups' counts (int64), in key order
+    counts: np.ndarray  # nonempty groups' counts (int32 below 2**31 nonzeros), in key order
     fiber_mode: int | None = None  # fibers_per_slice: the free mode of the fibers counted
 
     def stats(self) -> dict[str, float | int]:
@@ -122,7 +122,8 @@ def _runs(sorted_key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(distinct values, how many times each occurs) of a sorted array."""
     n = sorted_key.size
     starts = np.flatnonzero(np.concatenate(([True], sorted_key[1:] != sorted_key[:-1])))
-    return sorted_key[starts], np.diff(np.append(starts, n))
+    counts = np.diff(np.append(starts, n))
+    return sorted_key[starts], counts.astype(np.int32) if n < 2**31 else counts
 
 
 def _prod(xs) -> int:

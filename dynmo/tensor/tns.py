@@ -138,11 +138,12 @@ def read_tns(path, *, sizes=None, header: bool | None = None, values: bool = Tru
     n, ncols = arr.shape
     if ncols < 2 or (order and ncols != order + 1):
         raise _first_bad_line(p, skip, order + 1 if order else 0)
-    c = np.empty((ncols - 1, n), dtype=np.int64)
+    top = arr[:, :-1].max()
+    if not (top <= MAX_EXACT and arr[:, :-1].min() >= 1):
+        raise _first_bad_line(p, skip, ncols)
+    c = np.empty((ncols - 1, n), dtype=np.int32 if top <= 2**31 else np.int64)  # int32: half the memory
     for m in range(ncols - 1):
         col = arr[:, m]
-        if not (col.max() <= MAX_EXACT and col.min() >= 1):
-            raise _first_bad_line(p, skip, ncols)
         c[m] = col  # truncates: compared back below
         if not np.array_equal(c[m], col):
             raise _first_bad_line(p, skip, ncols)
