@@ -252,7 +252,9 @@ BAD = [
     ("3\n2 2 2\n1 1 1 1.0\n3 1 1 1.0\n", "a.tns:4: index 3 in column 1 is beyond size 2"),
     ("3\n2 2\n1 1 1 1.0\n", "a.tns:2: expected 3 sizes"),
     ("7\n", "a.tns: the order line is not followed by a sizes line"),
-    ("1.0\n", "a.tns: the order line is not followed by a sizes line"),
+    ("1.0\n", "a.tns:1: a line with one number"),
+    ("1 1 1 1.0\n3.0 1 1 1.0\n", "a.tns:2: index '3.0' in column 1 is not a whole number"),
+    ("1 1 1 1.0\n-2 1 1 1.0\n", "a.tns:2: index -2 in column 1 is below 1"),
     ("1 2 1.0\n1 2 2.0\n", "a.tns:2: coordinate (1, 2) (1-based) appears twice"),
 ]
 

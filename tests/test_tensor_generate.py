@@ -59,8 +59,12 @@ def test_every_target_is_met_within_2_percent_when_feasible(req):
     for k in ("density", "slice_density", "fiber_density"):
         assert got[k] == pytest.approx(getattr(req, k), rel=0.02, abs=0.51 / {"density": math.prod(req.sizes),
                                        "slice_density": p.slices_all, "fiber_density": p.fibers_all}[k])
-    for k in ("cv_fibers_per_slice", "cv_nnz_per_fiber"):
-        assert got[k] == pytest.approx(getattr(req, k), rel=0.02), k
+    # a cv of whole counts moves in steps: one unit moved changes the sum of squares by 2 at least,
+    # the cv by ~1 / (n mean^2 cv); within 2 % or half a step, whichever is larger
+    for k, n, total in (("cv_fibers_per_slice", p.slices, p.fibers), ("cv_nnz_per_fiber", p.fibers, p.nnz)):
+        want, mean = getattr(req, k), total / n
+        step = 1 / (n * mean * mean * want)
+        assert abs(got[k] - want) <= max(0.02 * want, 0.55 * step), (k, got[k], want, step)
     assert (t.coords >= 0).all() and (t.coords < np.array(req.sizes)[:, None]).all()
 
 

@@ -2,8 +2,8 @@
 
 Also read: the variant that starts with an order line and a sizes line (FeaTensor's input;
 `header=True`, or detected: a first line with a single number cannot be a nonzero), and gzip
-(by its magic bytes, whatever the name). Lines are parsed by numpy's C reader (`np.loadtxt`)
-into float64, then checked and converted column by column.
+(by its magic bytes, whatever the name). Lines are parsed by numpy's C reader (`np.loadtxt`),
+indices as integers and the value as a float, then checked.
 
 Bad input ends in `TensorFileError` whose one-line message names the file and the line: a line
 with another number of columns, an index that is not a whole number or is below 1, a value that
@@ -24,7 +24,6 @@ import numpy as np
 
 from dynmo.tensor.coo import MAX_SIZE, SparseTensor
 
-MAX_EXACT = 2**53  # indices above this are not exact in the float64 the parser reads
 
 
 class TensorFileError(ValueError):
@@ -43,12 +42,10 @@ def _open(path: Path):
 
 def _whole(tok: str) -> int | None:
     try:
-        x = float(tok)
+        x = int(tok)
     except ValueError:
         return None
-    if not np.isfinite(x) or x != int(x) or abs(x) > MAX_EXACT:
-        return None
-    return int(x)
+    return x if abs(x) < 2**63 else None
 
 
 def _check_line(path: str, line: int, tokens: list[str], ncols: int) -> None:
@@ -92,6 +89,8 @@ def _read_header(path: str, text: str, forced: bool | None) -> tuple[int, tuple[
     if forced is False:
         return 0, None, 0
     order = _whole(tokens[0]) if len(tokens) == 1 else None
+    if (order is None or order < 1) and not forced:
+        _check_line(path, first_line, tokens, 0)  # a line with one number, not an order
     if order is None or order < 1:
         raise TensorFileError(f"{path}:{first_line}: --header: expected the order (one whole number), "
                               f"found {' '.join(tokens)!r}")
@@ -125,33 +124,32 @@ def read_tns(path, *, sizes=None, header: bool | None = None, values: bool = Tru
     skip = first.count("\n", 0, used)  # the lines the header, and any comments before it, take
     # A path takes numpy's fast reader (it opens .gz by name); a gzip file under another name
     # is read through a line iterator, ~1.5x slower.
+    ncols = order + 1 if order else next((len(ln.split("#", 1)[0].split()) for ln in first[used:].split("\n")
+                                          if ln.split("#", 1)[0].split()), 0)
+    if ncols == 1:
+        raise _first_bad_line(p, skip, 0)
+    # Indices parse as integers and the value as a float in one pass (a structured dtype; faster
+    # than floats throughout). A path takes numpy's fast reader (it opens .gz by name); a gzip
+    # file under another name is read through a line iterator, ~1.5x slower.
     src = name if not gz or name.endswith(".gz") else io.TextIOWrapper(gzip.open(p), encoding="latin-1")
+    row = np.dtype([("i", np.int64, (max(1, ncols - 1),)), ("v", np.float64)])
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "input contained no data": said below, one line
-            arr = np.loadtxt(src, dtype=np.float64, comments="#", ndmin=2, skiprows=skip, encoding="latin-1")
-    except (ValueError, EOFError, OSError) as e:
-        raise _first_bad_line(p, skip, order + 1 if order else 0, e) from None
+            arr = np.loadtxt(src, dtype=row, comments="#", ndmin=1, skiprows=skip, encoding="latin-1")
+    except (ValueError, EOFError, OSError, OverflowError) as e:
+        raise _first_bad_line(p, skip, ncols, e) from None
     if arr.size == 0:
         raise TensorFileError(f"{name}: no nonzeros (the file is empty, or holds only comments"
                               f"{' and its header' if head_sizes else ''})")
-    n, ncols = arr.shape
-    if ncols < 2 or (order and ncols != order + 1):
-        raise _first_bad_line(p, skip, order + 1 if order else 0)
-    top = arr[:, :-1].max()
-    if not (top <= MAX_EXACT and arr[:, :-1].min() >= 1):
+    idx = arr["i"]
+    top = int(idx.max())
+    if idx.min() < 1 or not np.isfinite(arr["v"]).all():
         raise _first_bad_line(p, skip, ncols)
-    c = np.empty((ncols - 1, n), dtype=np.int32 if top <= 2**31 else np.int64)  # int32: half the memory
-    for m in range(ncols - 1):
-        col = arr[:, m]
-        c[m] = col  # truncates: compared back below
-        if not np.array_equal(c[m], col):
-            raise _first_bad_line(p, skip, ncols)
-        c[m] -= 1
-    if not np.isfinite(arr[:, -1]).all():
-        raise _first_bad_line(p, skip, ncols)
-    v = arr[:, -1].copy() if values else None
-    del arr
+    c = idx.T.astype(np.int32 if top <= 2**31 else np.int64)  # int32: half the memory
+    c -= 1
+    v = arr["v"].copy() if values else None
+    del arr, idx
     hi = c.max(axis=1)
     if sizes is not None:
         sizes = tuple(int(s) for s in sizes)
