@@ -28,7 +28,7 @@ from dynmo.runtime.memory import PeakMemory
 from dynmo.runtime.schedules import schedule_class
 from dynmo.runtime.tie import tied_embeddings
 from dynmo.schedules import get_schedule, in_flight, stage_to_rank
-from dynmo.runtime.stage import StageModule, TimedPipelineStage, example_io
+from dynmo.runtime.stage import StageModule, TimedPipelineStage, boundary_bools, example_io
 from dynmo.runtime.migration import MigrationReport, exchange_layers
 
 
@@ -137,12 +137,14 @@ class Pipeline:
         self.stages: list[TimedPipelineStage] = []
         for s in self.my_stages():
             idx = list(self.layout.layers(s))
+            first, last = s == 0, s == self.num_stages - 1
+            carry_in, carry_out = self._carry(idx[0] - 1), self._carry(idx[-1])
             module = StageModule([self.specs[i].name for i in idx], [self.layers[i] for i in idx], idx,
                                  profile=self.cfg.balance.profile, device=self.ctx.device, dtype=self.dtype,
-                                 recompute=self.recompute)
-            inputs, outputs = example_io(s == 0, s == self.num_stages - 1, self.microbatch, m.seq_len, m.d_model,
-                                         m.vocab_size, self.ctx.device, self.dtype,
-                                         carry_in=self._carry(idx[0] - 1), carry_out=self._carry(idx[-1]))
+                                 recompute=self.recompute, received=None if first else boundary_bools(carry_in),
+                                 sends=not last)
+            inputs, outputs = example_io(first, last, self.microbatch, m.seq_len, m.d_model, m.vocab_size,
+                                         self.ctx.device, self.dtype, carry_in=carry_in, carry_out=carry_out)
             self.stages.append(TimedPipelineStage(module, s, self.num_stages, self.ctx.device, input_args=inputs,
                                                   output_args=outputs, group=self.ctx.pp_group))
         stage_arg = self.stages if self.schedule_info.multi_stage else self.stages[0]

@@ -62,12 +62,13 @@ def measure_links(ctx: DistContext, microbatch: int, seq_len: int, d_model: int,
     Bandwidth, not latency: schedules send activations asynchronously, so a message's latency
     overlaps compute, while the bytes occupy the link. Each link ping-pongs a buffer of at
     least `probe_bytes` (to amortise latency) and the cost of a microbatch is its boundary
-    bytes (hidden state of `elem_bytes` per value + token mask) at that bandwidth, each way.
+    bytes (hidden state and token mask, `elem_bytes` per value: `dynmo.runtime.stage.example_io`)
+    at that bandwidth, each way.
     Each send first waits the injected link delay (`LINKS.wait`, as the pipeline's sends do);
     the sender's measured wait is taken out of the round trip before the bandwidth is
     computed and added in full to its direction."""
     pp, me = ctx.pp, ctx.pp_rank
-    act_bytes = microbatch * seq_len * (elem_bytes * d_model + 1)
+    act_bytes = microbatch * seq_len * elem_bytes * (d_model + 1)
     buf = torch.zeros(max(probe_bytes, act_bytes) // 4, device=ctx.device)
     # per link: [round trip (rank j), rank j's wait before its send, rank j+1's wait before its send]
     mine = torch.zeros(3, max(pp - 1, 1), dtype=torch.float64)

@@ -28,6 +28,20 @@ Numerics and memory, per layer, wherever the layer sits:
             only its inputs, which the memory record counts, and recomputes its forward inside
             its own backward span, so its measured backward time includes the recomputation.
             The recomputation runs with step statistics paused (a forward counted once).
+
+What crosses a stage boundary (`example_io`): the hidden state, the token mask, then a split
+block's carries (`dynmo.model.layers.CARRIES`), every one of them floating, in the compute dtype
+(the bool ones as 0 / 1, which every float dtype holds exactly), every one of them in the
+autograd graph, and every one of them gets a gradient back (zeros where the model takes none).
+torch.distributed.pipelining before 2.13 needs all three: 2.7 to 2.11 make every receive buffer
+of a stage require a gradient (an error on a bool buffer); 2.7 to 2.12 send a gradient back for
+every received tensor (an error where there is none) and, in the zero-bubble schedules,
+differentiate every output of a stage (an error on one outside the graph). 2.13 copes with
+bool tensors and missing gradients itself. So the same tensors cross on every version: the
+sending StageModule casts its bool outputs to the compute dtype (`_Sent`), the receiving one
+turns them back into bool (`_Received`, whose backward hands out the zero gradients). The cost:
+a [microbatch, seq] zero gradient sent back per bool tensor, and one per carry the model
+takes no gradient through. Results are bitwise those of a single stage.
 """
 
 from __future__ import annotations
@@ -73,10 +87,16 @@ class StageModule(nn.Module):
 
     def __init__(self, names: list[str], layers: list[nn.Module], indices: list[int], profile: bool = True,
                  device: torch.device | None = None, dtype: torch.dtype = torch.float32,
-                 recompute: frozenset[int] = frozenset()):
+                 recompute: frozenset[int] = frozenset(), received: tuple[bool, ...] | None = None,
+                 sends: bool = False):
         super().__init__()
         self.layers = nn.ModuleDict(dict(zip(names, layers)))
         self.indices = indices  # global layer index of each local layer
+        # stage boundaries (module docstring): `received`, per input that crossed one, whether the
+        # model's tensor is bool (`boundary_bools`; None: the inputs are the model's own, e.g.
+        # the tokens); `sends`: the outputs cross one, the bool ones as the compute dtype
+        self.received = received
+        self.sends = sends
         self.profile = profile
         device = device or torch.device("cpu")
         self.clock = Clock(device)
@@ -115,8 +135,12 @@ class StageModule(nn.Module):
         self._mark = None
 
     def forward(self, *args):
+        if self.received is not None:
+            args = _Received.apply(self.received, *args)
         with self._autocast():
             out = self._forward(args) if self.profile else self._forward_plain(args)
+        if self.sends:
+            out = _Sent.apply(self.dtype, *out)
         return out[0] if len(out) == 1 else out
 
     def _forward_plain(self, args: tuple) -> tuple:
@@ -256,6 +280,45 @@ def _recompute_context():
     return nullcontext(), stats.paused()
 
 
+class _Sent(torch.autograd.Function):
+    """What a stage hands over a boundary: its outputs, the bool ones cast to `dtype`, all of them
+    part of the autograd graph (with a gradient function whenever one input needs a gradient):
+    before 2.13, torch's zero-bubble schedules differentiate every output of a stage, and fail
+    on one outside the graph (the cast mask, a detached carry). Backward passes the gradients
+    of the floating inputs through, none to the bool ones. The floating outputs are aliases of
+    the inputs, not views: torch detaches a stage's outputs in place after its backward."""
+
+    @staticmethod
+    def forward(ctx, dtype: torch.dtype, *xs: torch.Tensor):
+        ctx.bools = tuple(x.dtype == torch.bool for x in xs)
+        return tuple(x.to(dtype) if b else x.detach() for b, x in zip(ctx.bools, xs))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        return (None, *(None if b else g for b, g in zip(ctx.bools, grads)))
+
+
+class _Received(torch.autograd.Function):
+    """What crossed a stage boundary back as the model's tensors: each one flagged in `bools`
+    becomes bool again, the rest pass unchanged (as aliases, like `_Sent`'s). Backward gives every
+    received tensor a gradient: the one flowing back, zeros where none does (a bool one; a float
+    one the stage does not differentiate through), so a gradient goes back for each (module
+    docstring)."""
+
+    @staticmethod
+    def forward(ctx, bools: tuple[bool, ...], *xs: torch.Tensor):
+        out = tuple(x.bool() if b else x.detach() for b, x in zip(bools, xs, strict=True))
+        ctx.mark_non_differentiable(*(o for o, b in zip(out, bools) if b))
+        ctx.zeros = [(x.shape, x.dtype, x.device) if b else None for b, x in zip(bools, xs)]
+        return out
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        # grads of unused float outputs arrive as zeros (materialized by autograd)
+        return (None, *(g if z is None else torch.zeros(z[0], dtype=z[1], device=z[2])
+                        for g, z in zip(grads, ctx.zeros)))
+
+
 class TimedPipelineStage(PipelineStage):
     """PipelineStage that adds up the time it spends computing (not waiting or sending).
 
@@ -292,6 +355,12 @@ class TimedPipelineStage(PipelineStage):
             mod.end_backward()
             self._span(t)
 
+    def _get_init_p2p_neighbors_ops(self):
+        # torch 2.9 to 2.11 open the links to both neighbouring stages with a message each way
+        # before the first step, to a stage on this same rank too: a send to itself, which gloo
+        # cannot make. Stages on one rank hand tensors over directly, so leave those out.
+        return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
+
     def get_fwd_send_ops(self, fwd_chunk_id: int):
         ops = super().get_fwd_send_ops(fwd_chunk_id)
         if ops:
@@ -320,25 +389,27 @@ class TimedPipelineStage(PipelineStage):
             self._span(t)
 
 
+def boundary_bools(carry: tuple[str, ...] = ()) -> tuple[bool, ...]:
+    """Per tensor crossing a stage boundary with `carry` (the hidden state, the token mask, then
+    the carries): whether the model's tensor is bool (it crosses as the compute dtype)."""
+    return (False, True) + tuple(not CARRIES[name].floating for name in carry)
+
+
 def example_io(
     first: bool, last: bool, mb: int, seq_len: int, d_model: int, vocab: int, device: torch.device,
     dtype: torch.dtype = torch.float32, carry_in: tuple[str, ...] = (), carry_out: tuple[str, ...] = (),
 ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-    """Static input/output examples so a rebuilt stage needs no shape inference; hidden states
-    and logits in the compute dtype (what crosses a stage boundary). A boundary that falls
-    between a block's two halves also carries `carry_in` / `carry_out` (names in
-    `dynmo.model.layers.CARRIES`) after the hidden state and the mask."""
+    """Static input/output examples so a rebuilt stage needs no shape inference: the tokens in,
+    the logits out, and at a boundary what crosses it (module docstring): the hidden state, the
+    mask, then `carry_in` / `carry_out` where the boundary falls between a block's two halves
+    (names in `dynmo.model.layers.CARRIES`), all in the compute dtype and requiring a gradient,
+    so that every torch version exchanges one gradient for each."""
 
-    def hidden(carry):
-        out = [torch.empty(mb, seq_len, d_model, device=device, dtype=dtype, requires_grad=True),
-               torch.empty(mb, seq_len, dtype=torch.bool, device=device)]
-        for name in carry:
-            c = CARRIES[name]
-            shape = (mb, seq_len, d_model) if c.per_feature else (mb, seq_len)
-            out.append(torch.empty(shape, device=device, dtype=dtype if c.floating else torch.bool,
-                                   requires_grad=c.grad))
-        return tuple(out)
+    def boundary(carry):
+        shapes = [(mb, seq_len, d_model), (mb, seq_len)]
+        shapes += [(mb, seq_len, d_model) if CARRIES[name].per_feature else (mb, seq_len) for name in carry]
+        return tuple(torch.empty(shape, device=device, dtype=dtype, requires_grad=True) for shape in shapes)
 
-    inputs = (torch.empty(mb, seq_len, dtype=torch.long, device=device),) if first else hidden(carry_in)
-    outputs = (torch.empty(mb, seq_len, vocab, device=device, dtype=dtype, requires_grad=True),) if last else hidden(carry_out)
+    inputs = (torch.empty(mb, seq_len, dtype=torch.long, device=device),) if first else boundary(carry_in)
+    outputs = (torch.empty(mb, seq_len, vocab, device=device, dtype=dtype, requires_grad=True),) if last else boundary(carry_out)
     return inputs, outputs
