@@ -225,7 +225,7 @@ class Trainer:
             v = self.pipe.eval_loss(x, y)
             if v is not None:
                 total, n = total + v, n + 1
-        t = torch.tensor([total, float(n)])
+        t = torch.tensor([total, float(n)], device=self.ctx.device)  # NCCL takes no CPU tensor
         dist.all_reduce(t, group=self.ctx.active_group)
         return float(t[0] / t[1])
 

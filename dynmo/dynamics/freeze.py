@@ -164,7 +164,10 @@ class Freeze(Case):
             if i in self.probes and i in self.refs:
                 vec[0, i] = plasticity(layer, self.refs[i], *self.probes[i])
                 vec[1, i] = 1.0
-        dist.all_reduce(vec, group=self.host.active_group)  # every replica of a block measured it
+        # every replica of a block measured it; summed on the rank's device (NCCL takes no CPU tensor)
+        on_dev = vec.to(self.host.device)
+        dist.all_reduce(on_dev, group=self.host.active_group)
+        vec = on_dev.cpu()
         newly = []
         for i in range(n):
             if vec[1, i] > 0:

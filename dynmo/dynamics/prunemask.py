@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from dynmo.config import PruneConfig
 from dynmo.dynamics.case import Host
-from dynmo.dynamics.topk import global_keep, group_sum
+from dynmo.dynamics.topk import global_keep, group_count
 from dynmo.model.sparse import PrunedLinear
 
 SCORINGS = ("magnitude", "normalized", "lamp")  # prune.scoring
@@ -50,7 +50,7 @@ def scores(mag: torch.Tensor, live: torch.Tensor | None, scoring: str, n: int | 
         out = flat
     elif scoring == "normalized":
         scale = float(flat.double().square().sum().div(n or flat.numel()).sqrt())
-        out = flat / torch.tensor(scale if scale > 0 else 1.0, dtype=torch.float32)
+        out = flat / torch.tensor(scale if scale > 0 else 1.0, dtype=torch.float32, device=flat.device)
     elif scoring == "lamp":
         order = torch.sort(flat, stable=True).indices  # ascending, equal entries in position order
         sq = flat.double().square()[order]
@@ -78,12 +78,12 @@ def keep_with_floor(score_list: list[torch.Tensor], keep: int, floors: list[int]
     reserved = []
     for sc, f in zip(score_list, floors):
         flat = sc.reshape(-1)
-        r = torch.zeros(flat.numel(), dtype=torch.bool)
+        r = torch.zeros(flat.numel(), dtype=torch.bool, device=sc.device)
         f = min(f, int((flat >= 0).sum()))
         if f > 0:
             r[torch.sort(flat, descending=True, stable=True).indices[:f]] = True
         reserved.append(r.view(sc.shape))
-    n_reserved = int(group_sum(torch.tensor([sum(int(r.sum()) for r in reserved)], dtype=torch.int64), group))
+    n_reserved = group_count(sum(int(r.sum()) for r in reserved), group)
     rest = [sc.masked_fill(r, -1.0) for sc, r in zip(score_list, reserved)]
     masks = global_keep(rest, keep - n_reserved, group, keys, num_keys)
     return [m | r for m, r in zip(masks, reserved)], max(keep, n_reserved)

@@ -15,6 +15,8 @@ Exactly equal scores at the threshold are kept in the order of each tensor's glo
 a tensor. Without keys they are kept in rank order, then in list and position order.
 
 Pure torch and torch.distributed: with `group=None` (or a one-rank group) everything is local.
+Over a group, the counts travel on the group's device (`group_device`: the rank's CUDA device
+under NCCL, which takes no CPU tensors), whatever device the scores live on.
 """
 
 from __future__ import annotations
@@ -27,15 +29,33 @@ def _distributed(group) -> bool:
     return group is not None and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
+def group_device(group) -> torch.device:
+    """The device of the tensors a collective over `group` takes: the current CUDA device under
+    NCCL, the CPU otherwise (gloo)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def group_sum(t: torch.Tensor, group) -> torch.Tensor:
-    """`t` summed over the ranks of `group` (in place; no-op on one rank)."""
+    """`t` summed over the ranks of `group` (in place; no-op on one rank), wherever `t` lives:
+    the sum runs on the group's device (`group_device`)."""
     if _distributed(group):
-        dist.all_reduce(t, group=group)
+        dev = group_device(group)
+        if t.device == dev:
+            dist.all_reduce(t, group=group)
+        else:
+            on_dev = t.to(dev)
+            dist.all_reduce(on_dev, group=group)
+            t.copy_(on_dev)
     return t
 
 
-def _count(t: torch.Tensor, group) -> int:
-    return int(group_sum(t, group))
+def group_count(n: int, group) -> int:
+    """The sum of the integer `n` over the ranks of `group`."""
+    if not _distributed(group):
+        return n
+    return int(group_sum(torch.tensor([n], dtype=torch.int64, device=group_device(group)), group))
 
 
 def global_keep(scores: list[torch.Tensor], keep: int, group=None, keys: list[int] | None = None,
@@ -49,10 +69,10 @@ def global_keep(scores: list[torch.Tensor], keep: int, group=None, keys: list[in
     (one distinct integer in [0, num_keys) per tensor over the whole group) in key order, then
     position order, independent of which rank holds which tensor.
     """
-    flat = torch.cat([s.detach().reshape(-1).float() for s in scores]) if scores else torch.zeros(0)
+    flat = torch.cat([s.detach().reshape(-1).float() for s in scores]) if scores else torch.zeros(0, device="cpu")
     bits = flat.view(torch.int32)  # non-negative floats: int order == float order; negatives < 0
     lo, hi = 0, 0x7F800000  # [0, +inf]
-    total = _count(torch.tensor([int((bits >= 0).sum())], dtype=torch.int64), group)
+    total = group_count(int((bits >= 0).sum()), group)
     keep = max(0, min(keep, total))
     if keep == 0:
         keep_mask = torch.zeros_like(bits, dtype=torch.bool)
@@ -60,19 +80,19 @@ def global_keep(scores: list[torch.Tensor], keep: int, group=None, keys: list[in
         # largest b with count(bits >= b) >= keep: that is the keep-th largest value
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if _count(torch.tensor([int((bits >= mid).sum())], dtype=torch.int64), group) >= keep:
+            if group_count(int((bits >= mid).sum()), group) >= keep:
                 lo = mid
             else:
                 hi = mid - 1
         above = bits > lo
         ties = bits == lo
-        n_above = _count(torch.tensor([int(above.sum())], dtype=torch.int64), group)
+        n_above = group_count(int(above.sum()), group)
         need = keep - n_above  # ties to keep
         keep_mask = above.clone()
         if keys is not None:  # handed out in key order, then position order
             if len(keys) != len(scores):
                 raise ValueError(f"{len(keys)} keys for {len(scores)} score tensors")
-            counts = torch.zeros(num_keys, dtype=torch.int64)
+            counts = torch.zeros(num_keys, dtype=torch.int64, device="cpu")  # read here; summed on the group's device
             off = 0
             for key, s in zip(keys, scores):
                 counts[key] = int(ties[off : off + s.numel()].sum())
@@ -90,8 +110,9 @@ def global_keep(scores: list[torch.Tensor], keep: int, group=None, keys: list[in
             my_ties = int(ties.sum())
             before = 0
             if _distributed(group):
-                counts = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
-                dist.all_gather(counts, torch.tensor([my_ties], dtype=torch.int64), group=group)
+                dev = group_device(group)
+                counts = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(dist.get_world_size(group))]
+                dist.all_gather(counts, torch.tensor([my_ties], dtype=torch.int64, device=dev), group=group)
                 before = sum(int(c) for c in counts[: dist.get_rank(group)])
             mine = max(0, min(my_ties, need - before))
             if mine:

@@ -110,7 +110,7 @@ def save(pipe: Pipeline, path: Path, step: int, cfg: Config, cases: dict | None 
         tmp.mkdir(parents=True)
     dist.barrier(group=group)
     has_optim = any(pipe.optimizer.state.get(p) for layer in pipe.layers.values() for p in layer.parameters())
-    flag = torch.tensor([1.0 if has_optim else 0.0])
+    flag = torch.tensor([1.0 if has_optim else 0.0], device=pipe.ctx.device)  # NCCL takes no CPU tensor
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     sd: dict[str, torch.Tensor] = {}
     try:

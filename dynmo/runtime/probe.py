@@ -46,9 +46,11 @@ def _matmul_seconds(device: torch.device, n: int = 256, reps: int = 8, rounds: i
 
 def measure_speeds(ctx: DistContext) -> list[float]:
     """Relative speed of each pipeline position (1.0 = position 0), same on every rank."""
-    mine = torch.tensor([_matmul_seconds(ctx.device)], dtype=torch.float64)
-    parts = [torch.zeros(1, dtype=torch.float64) for _ in range(ctx.active_world)]
+    # gathered on the rank's device (NCCL takes no CPU tensor)
+    mine = torch.tensor([_matmul_seconds(ctx.device)], dtype=torch.float64, device=ctx.device)
+    parts = [torch.zeros_like(mine) for _ in range(ctx.active_world)]
     dist.all_gather(parts, mine, group=ctx.active_group)
+    parts = [p.cpu() for p in parts]
     per_pos = [statistics.fmean(float(parts[r * ctx.pp + j]) for r in range(ctx.dp)) for j in range(ctx.pp)]
     return [per_pos[0] / t for t in per_pos]
 
@@ -94,8 +96,10 @@ def measure_links(ctx: DistContext, microbatch: int, seq_len: int, d_model: int,
             mine[1, j] = statistics.median(waits[1:])
         else:
             mine[2, j] = statistics.median(waits[1:])
+    mine = mine.to(ctx.device)  # gathered on the rank's device (NCCL takes no CPU tensor)
     parts = [torch.zeros_like(mine) for _ in range(ctx.active_world)]
     dist.all_gather(parts, mine, group=ctx.active_group)
+    parts = [p.cpu() for p in parts]
     if pp < 2:
         return [], []
     fwd, back = [], []
