@@ -119,3 +119,37 @@ def test_registered_rebuilt_identically_and_bad_chunk():
     assert a.opts == HashAttnOptions()
     with pytest.raises(ValueError, match="must divide"):
         HashAttnBlock(cfg_with(chunk=5))(torch.randn(B, T, D), torch.ones(B, T, dtype=torch.bool))
+
+
+def test_bf16_sums_in_float32_under_either_autocast_policy(monkeypatch):
+    """CUDA's autocast runs exp (and sum) in float32, CPU's keeps bf16: the softmax's pieces then
+    met in index_add with different dtypes on a GPU only. Both policies, the CUDA one emulated
+    here, give the same float32 sums; the output is in the compute dtype, close to float32."""
+    torch.manual_seed(0)
+    attn = HashSparseAttention(cfg_with(), HashAttnOptions(n_buckets=4, chunk=8))
+    x = torch.randn(B, T, D)
+    with torch.no_grad():
+        ref, _ = attn(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            cpu_policy, _ = attn(x)
+        exp = torch.exp
+        monkeypatch.setattr(torch, "exp", lambda t, *a, **k: exp(t.float(), *a, **k))  # CUDA's policy
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            cuda_policy, _ = attn(x)
+    assert cpu_policy.dtype == cuda_policy.dtype == torch.bfloat16
+    assert torch.equal(cpu_policy, cuda_policy)
+    torch.testing.assert_close(cpu_policy.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_mixed_dtype_heads():
+    """Queries and keys in float32 (what rotary makes of bf16 heads), values in bf16: the output
+    is in the values' dtype and equals the all-float32 one up to bf16 rounding."""
+    from dynmo.model.hashattn import hash_sparse_attention
+
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(B, H, T, D // H) for _ in range(3))
+    planes = torch.randn(H, D // H, 4)
+    ref, _ = hash_sparse_attention(q, k, v, planes, 8)
+    y, _ = hash_sparse_attention(q, k, v.bfloat16(), planes, 8)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), ref, atol=2e-2, rtol=2e-2)

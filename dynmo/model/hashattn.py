@@ -86,16 +86,20 @@ def hash_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pla
     def tiles(t, order, idx):
         return t.gather(2, order.unsqueeze(-1).expand(-1, -1, -1, hd)).view(B, H, n, c, hd)[b, h, idx]
 
-    s = tiles(q, oq, i) @ tiles(k, ok, j).transpose(-1, -2) / math.sqrt(hd)
+    # The softmax and the sums over a query chunk's tiles are float32 whatever autocast does (its
+    # CUDA policy runs exp and sum in float32, its CPU policy does not); P @ V runs in v's dtype.
+    acc = torch.float32
+    s = (tiles(q, oq, i) @ tiles(k, ok, j).transpose(-1, -2)).to(acc) / math.sqrt(hd)
     s = s.masked_fill(~allowed, float("-inf"))
     with torch.no_grad():  # per-row max over the row's tiles; a constant shift of the softmax
-        m = torch.full((B * H * n, c), float("-inf"), dtype=s.dtype, device=s.device)
+        m = torch.full((B * H * n, c), float("-inf"), dtype=acc, device=s.device)
         m = m.scatter_reduce(0, group.unsqueeze(-1).expand(-1, c), s.amax(-1), "amax")
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     p = torch.exp(s - m[group].unsqueeze(-1))
-    denom = s.new_zeros(B * H * n, c).index_add(0, group, p.sum(-1))
-    num = s.new_zeros(B * H * n, c, hd).index_add(0, group, p @ tiles(v, ok, j))
-    y_sorted = (num / denom.clamp_min(torch.finfo(s.dtype).tiny).unsqueeze(-1)).view(B, H, T, hd)
+    denom = torch.zeros(B * H * n, c, dtype=acc, device=s.device).index_add(0, group, p.sum(-1).to(acc))
+    pv = (p.to(v.dtype) @ tiles(v, ok, j)).to(acc)
+    num = torch.zeros(B * H * n, c, hd, dtype=acc, device=s.device).index_add(0, group, pv)
+    y_sorted = (num / denom.clamp_min(torch.finfo(acc).tiny).unsqueeze(-1)).to(v.dtype).view(B, H, T, hd)
     y = torch.zeros_like(y_sorted).scatter(2, oq.unsqueeze(-1).expand(-1, -1, -1, hd), y_sorted)
     info = {
         "blocks_computed": int(group.numel()),
