@@ -10,7 +10,8 @@ source, only dynmo's times are printed.
 For each case the tensor is written as a plain FROSTT file (dynmo reads it) and as the same
 file with an order line and a sizes line (FeaTensor skips the first two lines of every input),
 both are run as separate processes, `--repeat` times each, and the table gives the median wall
-time and the peak resident memory of each (os.wait4's ru_maxrss), the speedup, and whether
+time and the peak resident memory of each (GNU time's %M; the column is empty without it),
+the speedup, and whether
 every statistic agrees to FeaTensor's six printed digits. FeaTensor runs `-m map`, its only
 method whose features are all of ours (its sort, group and hybrid methods pair other fibers
 with slices, and give the features of the three largest modes only for order > 3).
@@ -34,6 +35,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -118,17 +120,21 @@ def build_featensor(src: Path, out: Path) -> Path | None:
     return exe
 
 
+TIME = shutil.which("time", path="/usr/bin:/bin")  # GNU time: it forks the command from itself
+
+
 def timed(cmd: list[str]) -> tuple[float, float]:
-    """(wall seconds, peak resident MB) of one process."""
-    t = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(p.pid, 0)
-    wall = time.perf_counter() - t
-    err = p.stderr.read().decode(errors="replace")
-    p.stderr.close()
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed: {err.strip()[-500:]}")
-    return wall, usage.ru_maxrss / 1024
+    """(wall seconds, peak resident MB) of one process. The peak is GNU time's (%M): a process
+    forked from this one would count this (large) process's pages in its own peak."""
+    with tempfile.NamedTemporaryFile(mode="r") as rep:
+        pre = [TIME, "-f", "%M", "-o", rep.name] if TIME else []
+        t = time.perf_counter()
+        p = subprocess.run([*pre, *cmd], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        wall = time.perf_counter() - t
+        if p.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {p.stderr.decode(errors='replace').strip()[-500:]}")
+        kb = rep.read().strip().splitlines()
+    return wall, float(kb[-1]) / 1024 if kb else float("nan")
 
 
 def featensor_json(path: Path) -> dict:

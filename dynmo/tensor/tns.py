@@ -132,13 +132,18 @@ def read_tns(path, *, sizes=None, header: bool | None = None, values: bool = Tru
     # than floats throughout). A path takes numpy's fast reader (it opens .gz by name); a gzip
     # file under another name is read through a line iterator, ~1.5x slower.
     src = name if not gz or name.endswith(".gz") else io.TextIOWrapper(gzip.open(p), encoding="latin-1")
-    row = np.dtype([("i", np.int64, (max(1, ncols - 1),)), ("v", np.float64)])
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # "input contained no data": said below, one line
-            arr = np.loadtxt(src, dtype=row, comments="#", ndmin=1, skiprows=skip, encoding="latin-1")
-    except (ValueError, EOFError, OSError, OverflowError) as e:
-        raise _first_bad_line(p, skip, ncols, e) from None
+    arr = None
+    for width in (np.int32, np.int64):  # int32 first: half the memory; a larger index reads again
+        row = np.dtype([("i", width, (max(1, ncols - 1),)), ("v", np.float64)])
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # "input contained no data": said below
+                arr = np.loadtxt(src if isinstance(src, str) else io.TextIOWrapper(gzip.open(p), encoding="latin-1"),
+                                 dtype=row, comments="#", ndmin=1, skiprows=skip, encoding="latin-1")
+            break
+        except (ValueError, EOFError, OSError, OverflowError) as e:
+            if width is np.int64:
+                raise _first_bad_line(p, skip, ncols, e) from None
     if arr.size == 0:
         raise TensorFileError(f"{name}: no nonzeros (the file is empty, or holds only comments"
                               f"{' and its header' if head_sizes else ''})")
@@ -146,7 +151,7 @@ def read_tns(path, *, sizes=None, header: bool | None = None, values: bool = Tru
     top = int(idx.max())
     if idx.min() < 1 or not np.isfinite(arr["v"]).all():
         raise _first_bad_line(p, skip, ncols)
-    c = idx.T.astype(np.int32 if top <= 2**31 else np.int64)  # int32: half the memory
+    c = idx.T.astype(np.int32 if top <= 2**31 else np.int64)  # int32 where every index fits
     c -= 1
     v = arr["v"].copy() if values else None
     del arr, idx
