@@ -138,7 +138,8 @@ def _shaped(z: np.ndarray, sigma: float, total: int, hi: int) -> np.ndarray:
     for _ in range(64):  # water-filling: what is clipped at hi goes to the others in proportion
         w = q * free
         room = extra - (hi - 1) * (~free).sum()
-        v = np.where(free, room * w / w.sum(), hi - 1.0)
+        ws = w.sum()
+        v = np.where(free, room * w / ws, hi - 1.0) if ws > 0 else np.full(n, hi - 1.0)
         over = free & (v > hi - 1)
         if not over.any():
             break
@@ -252,22 +253,30 @@ def _rejection(counts: np.ndarray, size: int, rng: np.random.Generator) -> np.nd
     n_groups = counts.size
     if n_groups * size >= 2**62:  # the (group, value) key would overflow int64: group by group
         return np.concatenate([np.sort(rng.choice(size, int(c), replace=False)) for c in counts])
-    group = np.repeat(np.arange(n_groups, dtype=np.int64), counts)
-    if group.size == 0:
+    if int(counts.sum()) == 0:
         return np.zeros(0, dtype=np.int64)
-    keys = np.sort(group * size + rng.integers(0, size, group.size))
-    kept = [keys[np.concatenate(([True], keys[1:] != keys[:-1]))]]
-    missing = counts - np.bincount(kept[0] // size, minlength=n_groups)
+    keys = np.repeat(np.arange(n_groups, dtype=np.int64) * size, counts)  # (group, value) as one int64
+    keys += rng.integers(0, size, keys.size, dtype=np.uint32 if size < 2**32 else np.int64)
+    keys.sort()
+    same = keys[1:] == keys[:-1]
+    missing = np.bincount(keys[1:][same] // size, minlength=n_groups)  # repeats are few: count them alone
+    if not missing.any():
+        return keys % size
+    kept = keys[np.concatenate(([True], ~same))]
+    del keys, same
+    extra: list[np.ndarray] = []
     while missing.any():
-        g = np.repeat(np.arange(n_groups, dtype=np.int64), missing)
-        new = np.sort(g * size + rng.integers(0, size, g.size))
+        new = np.repeat(np.arange(n_groups, dtype=np.int64) * size, missing)
+        new += rng.integers(0, size, new.size)
+        new.sort()
         ok = np.concatenate(([True], new[1:] != new[:-1]))
-        for k in kept:
+        for k in [kept, *extra]:
             if k.size:
                 ok &= k[np.minimum(np.searchsorted(k, new), k.size - 1)] != new
-        kept.append(new[ok])
-        missing -= np.bincount(kept[-1] // size, minlength=n_groups)
-    out = np.sort(np.concatenate(kept)) if len(kept) > 1 else kept[0]
+        extra.append(new[ok])
+        missing -= np.bincount(extra[-1] // size, minlength=n_groups)
+    more = np.sort(np.concatenate(extra))
+    out = np.insert(kept, np.searchsorted(kept, more), more)  # a merge: the extras are few
     return out % size
 
 
@@ -276,7 +285,8 @@ def _values(kind: str, n: int, rng: np.random.Generator) -> np.ndarray:
         return np.ones(n)
     if kind == "normal":
         return rng.standard_normal(n)
-    return 1.0 - rng.random(n)  # (0, 1]: never an explicit zero
+    v = rng.random(n)
+    return np.subtract(1.0, v, out=v)  # (0, 1]: never an explicit zero
 
 
 def generate(r: Request) -> SparseTensor:
@@ -290,10 +300,10 @@ def generate(r: Request) -> SparseTensor:
     fiber_mode = distinct_per_group(fps, sizes[-2], rng)  # each fiber's index in mode M-2
     last = distinct_per_group(npf, sizes[-1], rng)  # each nonzero's index in mode M-1
     fiber_slice = np.repeat(slice_ids, fps)
-    coords = np.empty((len(sizes), p.nnz), dtype=np.int64)
-    head = np.unravel_index(np.repeat(fiber_slice, npf), sizes[:-2])
+    coords = np.empty((len(sizes), p.nnz), dtype=np.int32 if max(sizes) < 2**31 else np.int64)
+    head = np.unravel_index(fiber_slice, sizes[:-2])  # per fiber, then repeated per nonzero
     for m, c in enumerate(head):
-        coords[m] = c
-    coords[-2] = np.repeat(fiber_mode, npf)
+        coords[m] = np.repeat(c.astype(coords.dtype), npf)
+    coords[-2] = np.repeat(fiber_mode.astype(coords.dtype), npf)
     coords[-1] = last
     return SparseTensor(coords, _values(r.values, p.nnz, rng), sizes, "generated")

@@ -18,6 +18,8 @@ import gzip
 import io
 import os
 import warnings
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -240,9 +242,18 @@ def write_tns(t: SparseTensor, path, header: bool = False) -> None:
         with opener(tmp, "wb") as fh:
             if header:
                 fh.write(f"{t.order}\n{' '.join(map(str, t.sizes))}\n".encode())
-            for lo in range(0, t.nnz, 1 << 20):
-                hi = min(t.nnz, lo + (1 << 20))
-                fh.write(_lines(t.coords[:, lo:hi], vals[lo:hi], widths, vw, whole))
+            # numpy's loops release the GIL: two threads format the next blocks (4 at most in
+            # flight, so memory stays a few blocks) while one is written
+            step = 1 << 19
+            with ThreadPoolExecutor(max_workers=2) as pool:
+                pending: deque = deque()
+                for lo in range(0, t.nnz, step):
+                    pending.append(pool.submit(_lines, t.coords[:, lo:lo + step], vals[lo:lo + step], widths, vw,
+                                               whole))
+                    if len(pending) >= 4:
+                        fh.write(pending.popleft().result())
+                while pending:
+                    fh.write(pending.popleft().result())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
