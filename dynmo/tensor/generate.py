@@ -129,28 +129,31 @@ def cv_range(n: int, total: int, hi: int) -> tuple[float, float]:
 
 
 def _shaped(z: np.ndarray, sigma: float, total: int, hi: int) -> np.ndarray:
-    """Integers in [1, hi] summing to total, shaped as exp(sigma * z) (z sorted normals)."""
+    """Integers in [1, hi] summing to total (<= n * hi), shaped as exp(sigma * z) (z sorted
+    ascending normals)."""
     n = z.size
-    q = np.exp(sigma * (z - z.max()))  # <= 1, no overflow
+    q = np.exp(sigma * (z - z.max()))[::-1]  # descending, <= 1: no overflow
     extra = float(total - n)  # above the floor of 1 each
-    v = np.zeros(n)
-    free = np.ones(n, dtype=bool)
-    for _ in range(64):  # water-filling: what is clipped at hi goes to the others in proportion
-        w = q * free
-        room = extra - (hi - 1) * (~free).sum()
-        ws = w.sum()
-        v = np.where(free, room * w / ws, hi - 1.0) if ws > 0 else np.full(n, hi - 1.0)
-        over = free & (v > hi - 1)
-        if not over.any():
-            break
-        free &= ~over
+    cap = hi - 1.0
+    # water-filling, exactly: the k largest are clipped at the cap and the rest share what is
+    # left in proportion; k is the least for which the largest of the rest fits
+    k = np.arange(n)
+    rest = np.cumsum(q[::-1])[::-1]  # sum of q[k:]
+    left = extra - k * cap
+    fits = (q * left <= cap * rest) | (left <= 0)
+    first = int(np.argmax(fits)) if fits.any() else n
+    v = np.full(n, cap)
+    if first < n and left[first] > 0:
+        v[first:] = np.minimum(cap, q[first:] * (left[first] / rest[first]))
+    elif first < n:
+        v[first:] = 0.0
     base = np.floor(v).astype(np.int64)
     short = int(total - n - base.sum())
-    if short:  # the largest remainders get the units rounding left out
+    if short > 0:  # the largest remainders get the units rounding left out
         order = np.argsort(-(v - base), kind="stable")
-        room = base[order] < hi - 1
-        base[order[np.flatnonzero(room)[:short]]] += 1
-    return base + 1
+        room = np.flatnonzero(base[order] < hi - 1)
+        base[order[room[:short]]] += 1
+    return (base + 1)[::-1]  # ascending again, as z
 
 
 def counts_with_cv(n: int, total: int, hi: int, cv: float, rng: np.random.Generator) -> np.ndarray:
