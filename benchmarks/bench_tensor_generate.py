@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shutil
 import statistics
 import subprocess
 import sys
@@ -35,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_tensor_features import build_featensor, featensor_json, timed  # noqa: E402
+from bench_tensor_features import build_featensor, featensor_json, timed, with_header  # noqa: E402
 
 from dynmo.tensor import features, read_tns  # noqa: E402
 from dynmo.tensor.cp import cp_als  # noqa: E402
@@ -73,9 +72,7 @@ def read_back(path: Path, featensor: Path | None, tmp: Path) -> tuple[dict, dict
     hdr = path
     if not has_header:  # FeaTensor takes the first two lines for a header
         hdr = tmp / "hdr.tns"
-        with open(hdr, "wb") as out, open(path, "rb") as src:
-            out.write(f"{m}\n{' '.join(map(str, t.sizes))}\n".encode())
-            shutil.copyfileobj(src, out, 1 << 24)
+        with_header(path, hdr, m, t.sizes)
     subprocess.run([str(featensor), "-i", str(hdr), "-o", str(tmp / "fea.json"), "-c", "0", "-m", "map"], check=True,
                    stdout=subprocess.DEVNULL)
     d = featensor_json(tmp / "fea.json")

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from dynmo.cli import main as dynmo_main
 from dynmo.tensor import STATS, DuplicateError, TensorError, TensorFileError, as_tensor, features, from_coo, read_tns
 from dynmo.tensor.coo import mixed_key
-from dynmo.tensor.features import distribution_stats
+from dynmo.tensor.features import GENERAL, distribution_stats
 
 DATA = Path(__file__).parent / "data" / "featensor"
 
@@ -165,10 +165,7 @@ def test_every_statistic_equals_featensor_to_its_printed_digits(name):
     got = features(t).to_dict()
     assert got["nnz"] == want["base"]["nnz"] and got["order"] == want["base"]["order"]
     assert got["sizes"] == [want["base"][f"dim_{m}"] for m in range(got["order"])]
-    general = {"sparsity": "density", "sliceCnt": "slice_cnt", "fiberCnt": "fiber_cnt",
-               "nnzSliceCnt": "nnz_slice_cnt", "nnzFiberCnt": "nnz_fiber_cnt",
-               "slice_sparsity": "slice_density", "fiber_sparsity": "fiber_density"}
-    for theirs, ours in general.items():
+    for theirs, ours in GENERAL.items():
         assert same(got[ours], want["base"][theirs]), theirs
     for theirs, ours in (("slices", "nnz_per_slice"), ("fibers", "nnz_per_fiber"), ("fibperslice", "fibers_per_slice")):
         assert len(got[ours]) == len(want[theirs])

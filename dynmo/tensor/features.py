@@ -34,8 +34,9 @@ from dynmo.tensor.coo import SparseTensor, TensorError, locate_duplicate, mixed_
 STATS = ("all_cnt", "nz_cnt", "nz_density", "max", "min", "dev", "sum", "avg", "imbal", "stDev", "cv",
          "avg_onlynz", "imbal_onlynz", "stDev_onlynz", "cv_onlynz")
 KINDS = ("nnz_per_slice", "nnz_per_fiber", "fibers_per_slice")
-# The general features, FeaTensor's names (sparsity is its word for density) -> ours (snake case).
-GENERAL = {"order": "order", "dim_i": "sizes", "nnz": "nnz", "sparsity": "density", "sliceCnt": "slice_cnt",
+# The general features, FeaTensor's names (sparsity is its word for density) -> ours (snake case);
+# its sizes are dim_0, dim_1, ... where ours are one list, `sizes`.
+GENERAL = {"order": "order", "nnz": "nnz", "sparsity": "density", "sliceCnt": "slice_cnt",
            "fiberCnt": "fiber_cnt", "nnzSliceCnt": "nnz_slice_cnt", "nnzFiberCnt": "nnz_fiber_cnt",
            "slice_sparsity": "slice_density", "fiber_sparsity": "fiber_density"}
 

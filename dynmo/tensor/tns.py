@@ -133,15 +133,15 @@ def read_tns(path, *, sizes=None, header: bool | None = None, values: bool = Tru
     # Indices parse as integers and the value as a float in one pass (a structured dtype; faster
     # than floats throughout). A path takes numpy's fast reader (it opens .gz by name); a gzip
     # file under another name is read through a line iterator, ~1.5x slower.
-    src = name if not gz or name.endswith(".gz") else io.TextIOWrapper(gzip.open(p), encoding="latin-1")
+    by_name = not gz or name.endswith(".gz")
     arr = None
     for width in (np.int32, np.int64):  # int32 first: half the memory; a larger index reads again
         row = np.dtype([("i", width, (max(1, ncols - 1),)), ("v", np.float64)])
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # "input contained no data": said below
-                arr = np.loadtxt(src if isinstance(src, str) else io.TextIOWrapper(gzip.open(p), encoding="latin-1"),
-                                 dtype=row, comments="#", ndmin=1, skiprows=skip, encoding="latin-1")
+                src = name if by_name else io.TextIOWrapper(gzip.open(p), encoding="latin-1")
+                arr = np.loadtxt(src, dtype=row, comments="#", ndmin=1, skiprows=skip, encoding="latin-1")
             break
         except (ValueError, EOFError, OSError, OverflowError) as e:
             if width is np.int64:
