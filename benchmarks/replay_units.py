@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from dynmo.balance import BalanceError
-from dynmo.sim.engine import SimInputError
+from dynmo.engine import SimInputError
 from dynmo.sim.replay import load_sublayer_trace, replay_units
 from dynmo.sim.trace import TraceError
 

@@ -35,8 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dynmo.engine import predict_iteration_time
 from dynmo.layout import Layout
-from dynmo.sim.engine import predict_iteration_time
 from dynmo.sim.trace import trace_from_metrics
 
 ROOT = Path(__file__).resolve().parents[1]

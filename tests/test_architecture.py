@@ -5,6 +5,8 @@ can show that each rule really fires.
 """
 import ast
 import re
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -151,6 +153,15 @@ def test_real_package_follows_layer_table():
     problems = check(ROOT / "dynmo", doc.read_text())
     if problems:
         pytest.fail("\n\n".join(problems), pytrace=False)
+
+
+@pytest.mark.parametrize("module", ["dynmo.engine", "dynmo.controller"])
+def test_below_the_simulator_nothing_of_it_is_imported(module):
+    # The import graph above charges `import a.b.c` to a.b.c alone, but Python also runs the
+    # packages a and a.b first: a fresh interpreter shows what an import really runs.
+    code = f"import sys, {module}; print(sorted(m for m in sys.modules if m.split('.')[:2] == ['dynmo', 'sim']))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]", f"importing {module} imports {out.stdout.strip()}"
 
 
 def make_package(tmp_path: Path, files: dict[str, str]) -> Path:

@@ -8,9 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynmo.sim.batched import Wavefronts
-from dynmo.sim.engine import StageTimes, execute
-from dynmo.sim.schedules import SCHEDULES, ScheduleError, build_plan, default_stages_per_rank
+from dynmo.engine import SCHEDULES, ScheduleError, StageTimes, Wavefronts, build_plan, default_stages_per_rank, execute
 
 
 @settings(max_examples=60, deadline=None)

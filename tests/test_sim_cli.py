@@ -77,7 +77,7 @@ def test_unreadable_input(tmp_path, capsys):
 
 def test_simulator_does_not_import_torch():
     code = (
-        "import sys, dynmo.sim, dynmo.sim.cli, dynmo.sim.engine, dynmo.sim.schedules, dynmo.sim.trace, "
+        "import sys, dynmo.engine, dynmo.sim, dynmo.sim.cli, dynmo.sim.trace, "
         "dynmo.sim.replay, dynmo.sim.plots;"
         "print('torch' in sys.modules)"
     )

@@ -12,9 +12,9 @@ from hypothesis import given, settings, strategies as st
 from dynmo.balance import Problem, balance
 from dynmo.cli import main as dynmo_main
 from dynmo.controller import step_time
+from dynmo.engine import SimInputError
 from dynmo.layout import Layout
 from dynmo.sim import simulate, stage_times
-from dynmo.sim.engine import SimInputError
 from dynmo.sim.replay import (
     DEFAULT_POLICIES, LINK_DELAY_FACTORS, STATIC, ReplayOptions, default_policies, link_delay_table, parse_policy,
     profile_once_layout, replay, replay_balance, replay_link_delays, summary_table,

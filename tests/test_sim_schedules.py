@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch.distributed.pipelining import schedules as tsched  # noqa: E402
 
-from dynmo.sim.schedules import Op, ScheduleError, build_plan  # noqa: E402
+from dynmo.engine.schedules import Op, ScheduleError, build_plan  # noqa: E402
 
 
 class FakeStage:

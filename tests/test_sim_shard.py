@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from dynmo.cli import main as dynmo_main
+from dynmo.engine import SimInputError
 from dynmo.layout import Layout
 from dynmo.loop import BYTES_PER_PARAM, bytes_per_param
 from dynmo.sim import StageTimes, build_plan, ring_allgather_time, simulate_plan
-from dynmo.sim.engine import SimInputError
 from dynmo.sim.replay import ReplayOptions, replay, replay_balance
 from dynmo.sim.replay.runner import Runner
 from dynmo.sim.trace import Trace, TraceHeader, TraceStep, TraceWriter

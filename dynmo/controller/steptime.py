@@ -2,7 +2,7 @@
 
 `StepModel.step_s` splits each layer's cost into its forward, backward and weight-gradient
 parts, sums them per stage (divided by the stage's worker speed), and runs one iteration of
-the running schedule through the simulator's model (`dynmo.sim.batched`: the event-driven
+the running schedule through the simulator's model (`dynmo.engine.batched`: the event-driven
 engine's numbers, validated against real runs, for many layouts or steps in one pass). Link times are charged to the stage that sends, as in the
 balancers' load model: a send occupies its sender (the activation's on the forward, the
 gradient's on the backward). The controller's decisions, its
@@ -24,9 +24,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from dynmo.balance import Problem
+from dynmo.engine import Wavefronts, build_plan, canonical_name, default_stages_per_rank
 from dynmo.layout import Layout
-from dynmo.sim.batched import Wavefronts
-from dynmo.sim.schedules import build_plan, canonical_name, default_stages_per_rank
 
 # how callers hand the objective around: step seconds of each layout under one problem, and of
 # each (one step's per-layer costs, layout) pair

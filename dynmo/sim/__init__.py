@@ -10,29 +10,44 @@
     # speedup over uniform and over the best static layout, worker-seconds and per-worker throughput;
     # replay_link_delays(...) runs the injected link-delay experiment
 
-See docs/simulator.md for the model, its assumptions and the JSON formats.
+The engine itself is `dynmo.engine`, one layer below the controller that scores layouts with it;
+its names are re-exported here. See docs/simulator.md for the model, its assumptions and the
+JSON formats.
 """
 
-import importlib
+from dynmo.engine import (
+    SCHEDULES,
+    Op,
+    Plan,
+    ScheduleError,
+    SimInputError,
+    SimResult,
+    StageTimes,
+    bubble_ratio,
+    build_plan,
+    lower_bound,
+    predict_iteration_time,
+    ring_allgather_time,
+    ring_allreduce_time,
+    simulate,
+    simulate_plan,
+    stage_times,
+)
+from dynmo.sim.trace import (
+    Trace,
+    TraceError,
+    TraceHeader,
+    TraceStep,
+    TraceWriter,
+    load_trace,
+    merge_units,
+    scale_trace,
+    trace_from_metrics,
+)
 
-# Names resolve on first use (PEP 562), so importing the engine (`dynmo.sim.engine`, which the
-# controller scores layouts with, one layer below the rest of this package) does not import the
-# traces and the replay, which themselves import the controller.
-_WHERE = {
-    **dict.fromkeys(("SimInputError", "SimResult", "StageTimes", "bubble_ratio", "lower_bound", "predict_iteration_time",
-                     "ring_allgather_time", "ring_allreduce_time", "simulate", "simulate_plan"),
-                    "dynmo.sim.engine"),
-    **dict.fromkeys(("SCHEDULES", "Op", "Plan", "ScheduleError", "build_plan"), "dynmo.sim.schedules"),
-    "stage_times": "dynmo.sim.stages",
-    **dict.fromkeys(("Trace", "TraceError", "TraceHeader", "TraceStep", "TraceWriter", "load_trace", "merge_units",
-                     "scale_trace", "trace_from_metrics"), "dynmo.sim.trace"),
-}
-__all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str):
-    if name not in _WHERE:
-        raise AttributeError(f"module 'dynmo.sim' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_WHERE[name]), name)
-    globals()[name] = value
-    return value
+__all__ = [
+    "Op", "Plan", "SCHEDULES", "ScheduleError", "SimInputError", "SimResult", "StageTimes", "Trace", "TraceError",
+    "TraceHeader", "TraceStep", "TraceWriter", "bubble_ratio", "build_plan", "load_trace", "lower_bound",
+    "merge_units", "predict_iteration_time", "ring_allgather_time", "ring_allreduce_time", "scale_trace",
+    "simulate", "simulate_plan", "stage_times", "trace_from_metrics",
+]

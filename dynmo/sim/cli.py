@@ -35,12 +35,11 @@ from dynmo.balance.cli import MAX_LAYER_STAGES
 from dynmo.balance.static import check_deepspeed_size
 from dynmo.config import BalanceConfig, ConfigError
 from dynmo.controller import MIGRATION_BANDWIDTH, MIGRATION_FIXED_S
+from dynmo.engine import ALLREDUCE_MODES, P2P_MODES, SCHEDULES, ScheduleError, SimInputError, canonical_name, simulate
 from dynmo.jsonio import (
     ArgumentParser, InputError, NonFiniteError, choice, dumps, fail, integer, number, parse_args,
     read_json, write_json,
 )
-from dynmo.sim.engine import ALLREDUCE_MODES, P2P_MODES, SimInputError, simulate
-from dynmo.sim.schedules import SCHEDULES, ScheduleError, canonical_name
 from dynmo.sim.trace import MAX_DP, MAX_LAYERS, MAX_MICROBATCHES, MAX_NOISE, MAX_STAGES, MAX_STEPS, TraceError
 
 PROG = "dynmo simulate"
@@ -444,7 +443,7 @@ def _link_delay(text: str | None) -> list[float] | None:
 
 
 def _shape(trace, results, args, opts) -> dict:
-    from dynmo.sim.schedules import canonical_name
+    from dynmo.engine import canonical_name
 
     h = trace.header
     first = results[0]

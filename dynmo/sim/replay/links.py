@@ -7,7 +7,7 @@ from typing import Sequence
 
 import numpy as np
 
-from dynmo.sim.engine import SimInputError
+from dynmo.engine import SimInputError
 from dynmo.sim.replay.options import LINK_DELAY_FACTORS, ReplayOptions
 from dynmo.sim.replay.run import replay
 from dynmo.sim.trace import Trace

@@ -10,9 +10,8 @@ import numpy as np
 from dynmo.balance import BALANCERS
 from dynmo.config import BalanceConfig, ConfigError
 from dynmo.controller import MIGRATION_BANDWIDTH, MIGRATION_FIXED_S
+from dynmo.engine import SimInputError, canonical_name, default_stages_per_rank
 from dynmo.loop import check_balance
-from dynmo.sim.engine import SimInputError
-from dynmo.sim.schedules import canonical_name, default_stages_per_rank
 from dynmo.sim.trace import Trace
 
 STATIC = ("uniform", "params", "profile-once")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from dynmo.balance import BalanceError
-from dynmo.sim.engine import SimInputError
+from dynmo.engine import SimInputError
 from dynmo.sim.replay.options import STATIC, ReplayOptions, default_policies, parse_policy
 from dynmo.sim.replay.policies import run_dynamic, run_oracle, run_static, static_layout
 from dynmo.sim.replay.result import PolicyResult

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from dynmo.engine import Plan, SimInputError, StageTimes, build_plan, ring_allgather_time, ring_allreduce_time, simulate_plan
 from dynmo.layout import Layout
 from dynmo.loop import BYTES_PER_PARAM, bytes_per_param
-from dynmo.sim.engine import SimInputError, StageTimes, ring_allgather_time, ring_allreduce_time, simulate_plan
 from dynmo.sim.replay.options import GRAD_BYTES_PER_PARAM, PARAM_BYTES_PER_PARAM, ReplayOptions, schedule_of
 from dynmo.sim.replay.result import PolicyResult
-from dynmo.sim.schedules import Plan, build_plan
 from dynmo.sim.trace import Trace
 
 

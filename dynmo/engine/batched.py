@@ -1,6 +1,6 @@
 """The engine's iteration time for many sets of stage times at once (`Wavefronts`).
 
-`dynmo.sim.engine.execute` runs one set of times through a plan event by event. Which op
+`dynmo.engine.events.execute` runs one set of times through a plan event by event. Which op
 waits for which is fixed by the plan alone: an op follows the previous op of its rank, its
 input comes from one producing op (plus the link's transfer time when the producer is on
 another rank), and a link carries one transfer at a time in its sender's order. So the
@@ -20,7 +20,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from dynmo.sim.schedules import Plan, ScheduleError
+from dynmo.engine.schedules import Plan, ScheduleError
 
 # per-op input columns of the (K, 5 x stages + 1) time table built in `iteration_times`
 _FWD, _BACK, _WGRAD, _CF, _CB = range(5)
