@@ -13,6 +13,7 @@ from dynmo.sim.trace import (
     BYTES_PER_PARAM, Trace, TraceError, TraceHeader, TraceStep, TraceWriter, block_map, load_trace,
     scale_trace, trace_from_metrics,
 )
+from dynmo.sim.trace.relevel import relevel
 from tests.conftest import metrics, param_counts, run_train
 
 CFG = {
@@ -166,3 +167,41 @@ def test_scale_trace_keeps_a_region_where_it_was():
     blocks = np.asarray(big.steps[0].fwd[1:-1])
     assert np.all(blocks[:18] == blocks[0]) and np.all(blocks[18:] == blocks[-1])
     assert blocks[0] == pytest.approx(4 * blocks[-1])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 8), st.integers(6, 20), st.booleans(), st.integers(0, 2**31))
+def test_relevel_sets_each_phase_level_and_keeps_the_rest(blocks, steps, wgrad, seed):
+    rng = np.random.default_rng(seed)
+    t = _random_trace(rng, blocks, steps, wgrad)
+    starts = sorted(rng.choice(np.arange(1, steps), size=min(2, steps - 1), replace=False).tolist())
+    levels = {p: {int(u): float(rng.uniform(0.2, 1.5)) for u in rng.choice(np.arange(1, blocks + 1), size=blocks,
+                                                                          replace=False)[:max(1, blocks // 2)]}
+              for p in starts}
+    r = relevel(t, levels)
+    before, after = t.fwd() + t.bwd(), r.fwd() + r.bwd()
+    idx = np.array([s.step for s in t.steps])
+    ref = before[idx < starts[0]].mean(0)
+    bounds = starts + [idx.max() + 1]
+    for p, end in zip(starts, bounds[1:]):
+        rows = (idx >= p) & (idx < end)
+        for u in range(t.num_layers):
+            if u in levels[p]:
+                assert after[rows, u].mean() == pytest.approx(levels[p][u] * ref[u], rel=1e-9)
+                # the step-to-step variation inside the phase is the traced one
+                np.testing.assert_allclose(after[rows, u] / after[rows, u].mean(),
+                                           before[rows, u] / before[rows, u].mean(), rtol=1e-9)
+            else:
+                np.testing.assert_allclose(after[rows, u], before[rows, u])
+    np.testing.assert_allclose(after[idx < starts[0]], before[idx < starts[0]])
+    if wgrad:  # one factor per unit and step: wgrad stays the same share of bwd
+        np.testing.assert_allclose(r.wgrad() / r.bwd(), t.wgrad() / t.bwd(), rtol=1e-9)
+    assert r.dynamism_steps() == t.dynamism_steps()
+
+
+def test_relevel_says_what_is_wrong():
+    t = _random_trace(np.random.default_rng(0), 3, 5)
+    for levels, msg in (({0: {1: 0.5}}, "no step before"), ({9: {1: 0.5}}, "not a step"),
+                        ({2: {7: 0.5}}, "units 0..4"), ({2: {1: 0.0}}, "> 0"), ({2: {1: float("nan")}}, "> 0")):
+        with pytest.raises(TraceError, match=msg):
+            relevel(t, levels)

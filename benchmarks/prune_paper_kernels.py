@@ -1,0 +1,191 @@
+"""The paper-scale pruning replay with kernel costs measured on masks of the paper's layer sizes.
+
+    dynmo train --nproc 2 --config configs/pruning.toml --steps 120 --balance.when never \
+        --out runs/pruning-static --overwrite
+    python benchmarks/prune_paper_kernels.py runs/pruning-static [--width 1600] [--tokens N] \
+        [--json OUT.json]
+
+`dynmo bench` replays a pruning run at the paper's scale (48 blocks, 24 stages x 30 dp) by
+scaling its trace: each new block takes a traced block's costs. But the traced blocks are the
+small model's, whose CSR kernel barely pays off at width 256; the paper's models are wider, and
+how much a pruned block gets cheaper depends on the kernels at that width. This program:
+
+1. reads, at every pruning step of the run, each block's recorded mask features per pruned
+   Linear (`prune_rows_*` / `prune_cols_*` in metrics.jsonl);
+2. generates masks with those features at the Linears' sizes in a model of width `--width`
+   (default 1600, GPT-2 XL's, a 48-block GPT: the paper trains GPT models of 24 to 48 blocks and
+   does not give their width) with `dynmo.tensor.masks`;
+3. times, on this machine, one forward + backward of a microbatch (`--tokens`; default the
+   run's, 512 for configs/pruning.toml, as one sequence) through each Linear under
+   each mask with the dense and the CSR kernel (`dynmo.model.sparse.time_kernels`, as
+   `prune.kernel = auto` does in a run) and through a whole dense block of that width;
+4. gives each block, in each pruning phase, the cost (the rest of the block + the faster
+   kernel's Linears) relative to the dense block (`dynmo.sim.trace.relevel`), and replays the
+   trace at the benchmark's shape before and after, printing both tables.
+
+Only relative costs are taken from the wide model: the replay keeps the traced run's time scale,
+as the benchmark's replay does, so the two tables differ only in how pruning changed each block.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dynmo.bench.cases import CASES, SIM_POLICIES
+from dynmo.config import load_config
+from dynmo.model.gpt import Block
+from dynmo.model.sparse import time_kernels
+from dynmo.sim import load_trace, scale_trace
+from dynmo.sim.replay import ReplayOptions, replay, replay_balance
+from dynmo.sim.trace.relevel import relevel
+from dynmo.tensor.masks import generate_mask, mask_error, mask_spec
+from dynmo.tensor.matrix import MATRIX_STATS
+
+SIDES = ("rows", "cols")
+
+
+def pruning_features(run: Path) -> dict[int, dict[int, list[dict]]]:
+    """Pruning step -> block (layer index) -> per pruned Linear, {"rows": stats, "cols": stats}."""
+    out: dict[int, dict[int, list[dict]]] = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        if not line.strip():
+            continue
+        r = json.loads(line)
+        if not any(e.get("type") == "dynamism" and e.get("case") == "prune" for e in r["events"]):
+            continue
+        if "prune_rows_max" not in r:
+            raise SystemExit(f"{run}: step {r['step']} records no mask features (prune_rows_*); "
+                             "run it again with this dynmo (unstructured pruning records them)")
+        per_layer = {}
+        for i, mx in enumerate(r["prune_rows_max"]):
+            if mx is None:
+                continue
+            per_layer[i] = [{side: {k: r[f"prune_{side}_{k}"][i][j] for k in MATRIX_STATS} for side in SIDES}
+                            for j in range(len(mx))]
+        out[r["step"]] = per_layer
+    if not out:
+        raise SystemExit(f"{run}: no pruning step in metrics.jsonl")
+    return out
+
+
+def block_seconds(block: torch.nn.Module, tokens: int, width: int, reps: int) -> float:
+    x = torch.randn(1, tokens, width)
+    mask = torch.ones(1, tokens, dtype=torch.bool)
+    best = float("inf")
+    for _ in range(reps):
+        xi = x.clone().requires_grad_(True)
+        t = time.perf_counter()
+        y, _ = block(xi, mask)
+        y.sum().backward()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure(run: Path, width: int, tokens: int, reps: int, seed: int) -> dict:
+    cfg = load_config(run / "config.toml")
+    small = cfg.model
+    tokens = tokens or cfg.train.global_batch // cfg.train.microbatches * small.seq_len
+    if small.block != "dense" or small.family != "gpt":
+        raise SystemExit(f"{run}: a gpt model of dense blocks was pruned here; this program times those")
+    scale = width / small.d_model
+    big = replace(small, d_model=width, n_heads=max(1, width // 64), seq_len=max(small.seq_len, tokens))
+    torch.manual_seed(seed)
+    block = Block(big)
+    names = Block.prunable
+    small_shapes = [tuple(Block(small).get_submodule(n).weight.shape) for n in names]
+    whole, ones = block_seconds(block, tokens, width, reps), {}
+    for n in names:
+        lin = block.get_submodule(n)
+        ones[n] = time_kernels(lin, torch.ones_like(lin.weight, dtype=torch.bool), tokens, reps=reps)["dense"]
+    # the rest of the block (norms, attention's own products, residuals) per second of its
+    # Linears: a ratio, so that a phase's level below rests on its own adjacent timings
+    rest = max(0.0, whole / sum(ones.values()) - 1.0)
+    print(f"dense block of width {width}, {tokens} tokens: {1e3 * whole:.1f} ms fwd+bwd, its Linears "
+          f"{1e3 * sum(ones.values()):.1f} ms: the rest is {rest:.2f} x the Linears", file=sys.stderr)
+    feats = pruning_features(run)
+    phases = {}
+    worst: dict[str, float] = {}
+    for step, per_layer in sorted(feats.items()):
+        phase = {}
+        for i, linears in sorted(per_layer.items()):
+            dense = csr = 0.0
+            for n, (rows, cols), f in zip(names, small_shapes, linears):
+                spec = mask_spec(f, rows, cols, scale)
+                mask = generate_mask(spec, seed=seed + 1000 * step + 10 * i)
+                for k, v in mask_error(mask, spec).items():
+                    worst[k] = max(worst.get(k, 0.0), v)
+                t = time_kernels(block.get_submodule(n), torch.from_numpy(mask), tokens, reps=reps)
+                dense += t["dense"]
+                csr += t["csr"]
+            kernel = "csr" if csr < dense else "dense"
+            # masked dense does the dense block's products: the block's cost relative to dense is
+            # (rest + the faster kernel) / (rest + dense), both from this block's own timings
+            phase[i] = {"dense_ms": 1e3 * dense, "csr_ms": 1e3 * csr, "kernel": kernel,
+                        "level": (rest * dense + min(dense, csr)) / (rest * dense + dense)}
+            print(f"step {step} block {i}: dense {1e3 * dense:.1f} ms, csr {1e3 * csr:.1f} ms -> {kernel}, "
+                  f"level {phase[i]['level']:.3f}", file=sys.stderr)
+        phases[step] = phase
+    return {"width": width, "tokens": tokens, "reps": reps, "block_ms": 1e3 * whole,
+            "linears_dense_ms": {n: 1e3 * v for n, v in ones.items()}, "rest_per_linears": rest,
+            "worst_mask_error": worst, "phases": phases}
+
+
+def replay_rows(trace, case) -> list:
+    scaled = scale_trace(trace, case.blocks, noise=0.05)
+    opts = ReplayOptions(microbatches=4 * case.stages, balance=replay_balance(when=case.when))
+    return replay(scaled, stages=case.stages, dp=case.dp, policies=SIM_POLICIES, options=opts)
+
+
+def table(title: str, results) -> str:
+    lines = [f"{title}", f"{'policy':<22} {'vs uniform':>10} {'vs best static':>14} {'bubble':>7} "
+             f"{'workers':>7} {'migrations':>10}"]
+    for r in results:
+        d = r.as_dict(per_step=False)
+        lines.append(f"{r.policy:<22} {d['speedup']:>10.3f} {d['speedup_vs_best_static']:>14.3f} "
+                     f"{d['mean_bubble']:>7.3f} {d['workers_mean']:>7.0f} {d['migrations']:>10}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run", type=Path, help="a pruning run's folder (metrics.jsonl, config.toml)")
+    ap.add_argument("--width", type=int, default=1600, help="the paper-sized model's width (default 1600)")
+    ap.add_argument("--tokens", type=int, default=0,
+                    help="tokens per microbatch timed (default: the run's own, as its pruning steps timed them)")
+    ap.add_argument("--reps", type=int, default=2, help="timings per kernel, the fastest kept (default 2)")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--json", type=Path, help="write the measured kernel times and levels here")
+    a = ap.parse_args(argv)
+    if not (a.run / "metrics.jsonl").is_file() or not (a.run / "config.toml").is_file():
+        print(f"{a.run}: not a run folder (no metrics.jsonl and config.toml)", file=sys.stderr)
+        return 2
+    if a.json is not None and a.json.exists():
+        print(f"{a.json} exists; remove it or name another", file=sys.stderr)
+        return 2
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    got = measure(a.run, a.width, a.tokens, a.reps, a.seed)
+    trace = load_trace(a.run)
+    levels = {step: {i: p["level"] for i, p in phase.items()} for step, phase in got["phases"].items()}
+    case = next(c for c in CASES if c.name == "pruning")
+    shape = f"{case.blocks} blocks, {case.stages} stages x {case.dp} dp, {4 * case.stages} microbatches"
+    print(table(f"\nbefore: costs scaled from the traced model ({shape})", replay_rows(trace, case)))
+    print(table(f"\nafter: each pruning phase's block costs from width-{a.width} kernels ({shape})",
+                replay_rows(relevel(trace, levels), case)))
+    print("\nmasks against the features asked for, worst relative error over all masks: "
+          + ", ".join(f"{k} {v:.2%}" for k, v in got["worst_mask_error"].items()))
+    if a.json is not None:
+        a.json.write_text(json.dumps(got, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
