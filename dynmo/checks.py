@@ -42,6 +42,8 @@ RANGES: tuple[tuple[str, dict, str], ...] = (
     ("parallel.timeout_s", {"gt": 0}, "seconds an operation waits for a peer before the job fails"),
     ("balance.min_gain", {"ge": 0, "lt": 1}, "the fraction of the step time a rebalance must save"),
     ("balance.horizon", {"ge": 1}, "steps over which a rebalance must repay its migration"),
+    ("balance.confidence", {"gt": 0.5, "lt": 1}, "how sure auto's evidence must be that a saving is not noise"),
+    ("balance.confirm", {"ge": 0}, "fresh steps that must confirm a proposed move"),
     ("skew.factor", {"ge": 1}, "times the skewed blocks run their MLP; 1 = no skew"),
     ("skew.start_step", {"ge": 0}, "the first skewed step"),
     ("checkpoint.every", {"ge": 0}, "steps between checkpoints; 0 = only the final one"),

@@ -139,8 +139,16 @@ class BalanceConfig:
     balancer: str = "optimal"  # optimal | deepspeed | diffusion-contiguous | uniform
     cost: str = "time"  # time (measured per-layer fwd + bwd) | params
     window: int = 3  # steps in the median forecast of per-layer cost
-    min_gain: float = 0.0  # an optional floor: a rebalance must cut the step time by this fraction (auto: beyond the noise)
+    # a rebalance must cut the simulated step time by this fraction (auto: beyond the noise); the
+    # simulator's step time is within ~1 % of measured ones (docs/simulator.md), so a smaller
+    # predicted saving cannot be told from the model's own error
+    min_gain: float = 0.01
     horizon: int = 50  # auto: steps over which the saving must repay the migration
+    # auto's evidence (docs/controller.md measures the trade-off): how sure it must be that a saving
+    # is not the steps' noise (higher: fewer false migrations, slower to react), and how many fresh
+    # steps must confirm a proposed move (0: move on the window's evidence alone)
+    confidence: float = 0.95
+    confirm: int = 2
     # Re-packing: move all layers onto fewer pipeline ranks when the slowest stage would stay
     # within (1 + repack_tolerance) of the best all-rank layout; released ranks exit.
     repack: bool = False

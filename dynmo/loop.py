@@ -59,6 +59,10 @@ def check_balance(b: BalanceConfig) -> None:
         )
     if b.every < 1 or b.window < 1:
         raise ConfigError("balance.every and balance.window must be >= 1")
+    if not 0.5 < b.confidence < 1:
+        raise ConfigError(f"balance.confidence must be above 0.5 and below 1 (e.g. 0.95), got {b.confidence}")
+    if b.confirm < 0:
+        raise ConfigError(f"balance.confirm must be >= 0 (fresh steps that confirm a move), got {b.confirm}")
     if not b.repack_tolerance >= 0:
         raise ConfigError(f"balance.repack_tolerance must be >= 0, got {b.repack_tolerance}")
     if not 0 <= b.repack_shrink < 1:

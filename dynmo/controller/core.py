@@ -72,6 +72,10 @@ class Controller(Scoring):
     widest: int = 0  # the most pipeline positions the run has had: re-packing's reference
     steady: Layout | None = None  # auto: the optimum of every observed step's costs, searched once a window
     changed_at: int = 0  # auto: the observed steps when the model last announced a change (0: none pending)
+    epoch: int = 0  # auto: the observed steps when the evidence last started afresh (`confidence_now`)
+    jumps: deque = field(default_factory=lambda: deque(maxlen=evidence.JUMP_STEPS))  # auto: |step time / forecast's - 1| seen
+    large: list | None = None  # auto: a large change's step restarted the evidence: the forecast of before it
+    suspect: tuple | None = None  # auto: (reference step time, sign, forecast) of a step that departed far
     repack_memo: dict = field(default_factory=dict, repr=False)  # re-packing: each observed step's best step time
     # the history's steps' predicted step times, each (step, layout) simulated once
     cache: HistoryTimes = field(default_factory=HistoryTimes, init=False, repr=False)
@@ -97,6 +101,8 @@ class Controller(Scoring):
                 layout: Layout | None = None) -> None:
         """One step's per-layer costs, and, if known, its measured step time and the layout it
         ran on. `changed`: the model changed in this step (a dynamism event)."""
+        if self.cfg.when == "auto" and layout is not None and len(self.history) >= self.cfg.window:
+            self._large_change(layer_costs, layout)
         self.history.append(list(layer_costs))
         self.cache.measured(self.history[-1], (self.model.fwd_share, self.model.wgrad_share))
         self.observed += 1
@@ -104,6 +110,7 @@ class Controller(Scoring):
             self.peak_total = max(self.peak_total, sum(self.forecast()))
         if changed:
             self.changed_at = self.observed  # the changed model's first window may move on its own evidence
+            self.epoch = self.observed - 1
             self.judge.forget()  # the step time changed for another reason: nothing to judge
             # a standing proposal stays: its fresh steps, on the changed model, confirm it or not
             # (dropping it here let a model that changes every 5 steps outrun every confirmation)
@@ -112,6 +119,29 @@ class Controller(Scoring):
             model = self._step_under(layer_costs, layout)
             if model > 0:
                 self.judge.observe(step_s / model, layer_costs)
+
+    def _large_change(self, layer_costs: list[float], layout: Layout) -> None:
+        """A step whose time departs from the forecast's by far more than the steps before it did
+        (`evidence.large_change`), followed by a step that departs as far the same way, restarts
+        the evidence at the first of them: the steps before describe another model. The forecast
+        of before is kept, to prefer layouts that survive a reversal."""
+        past = self.history_times([layout])[0]
+        ref = median(past[-self.cfg.window:])
+        t = self._step_under(layer_costs, layout)
+        rel = t / ref - 1 if ref > 0 else 0.0
+        if self.suspect is not None:  # the step before departed far: does this one agree?
+            ref0, sign, before = self.suspect
+            self.suspect = None
+            if evidence.confirms_large(t / ref0 - 1 if ref0 > 0 else 0.0, sign):
+                first = self.history[-1]
+                self.history.clear()
+                self.history.append(first)
+                self.large = before
+                self.proposal = self.searched = self.steady = None
+                self.epoch = self.observed - 1
+        elif evidence.large_change(rel, self.jumps, self.cfg.window):
+            self.suspect = (ref, 1 if rel > 0 else -1, self.forecast())
+        self.jumps.append(abs(rel))
 
     def observe_migration(self, nbytes: int, seconds: float) -> None:
         """Refit the migration cost model from a measured migration."""
@@ -126,6 +156,8 @@ class Controller(Scoring):
         self.proposal = None
         self.searched = self.steady = None
         self.changed_at = 0
+        self.epoch = self.observed
+        self.large = self.suspect = None
         self.microbatches = microbatches
 
     def forecast(self) -> list[float] | None:
@@ -147,6 +179,8 @@ class Controller(Scoring):
         if not self._triggered(step):
             return None
         costs = self.forecast()
+        if costs is not None and self.large is not None and c.when == "auto":
+            return self._after_large_change(step, costs, current, layer_bytes, steps_left)
         if costs is None or len(self.history) < c.window and c.when == "auto":
             return None
         if c.repack and current.num_stages > 1:
@@ -195,6 +229,7 @@ class Controller(Scoring):
                 yield self._steady_option(current, search)
 
         rejected = False  # a candidate failed the margin, the repayment or the evidence
+        confidence = self.confidence_now()
         for cand, t_old, t_cand in options():
             if cand is None or cand == current or cand.boundaries in self.lost:
                 continue
@@ -207,13 +242,14 @@ class Controller(Scoring):
             if c.when != "auto":
                 return self._rebalanced(step, problem, current, cand, t_old, t_cand, horizon, layer_bytes)
             if cand is new and self._announced_window() and evidence.announced(
-                    self.per_step_gains(current, cand), c.window, margin):
+                    self.per_step_gains(current, cand), c.window, margin, confidence):
                 self.changed_at, self.proposal = 0, None  # once per change
                 return self._rebalanced(step, problem, current, cand, t_old, t_cand, horizon, layer_bytes)
-            if not evidence.supported(self.per_step_gains(current, cand), c.window, margin):
+            if not evidence.supported(self.per_step_gains(current, cand), c.window, margin, confidence):
                 continue
             chosen, self.proposal = evidence.confirmed(self.proposal, self.observed, len(self.history), c.window,
-                                                       current, cand, margin, lambda p: self.per_step_gains(current, p))
+                                                       current, cand, margin, lambda p: self.per_step_gains(current, p),
+                                                       c.confirm, confidence)
             if chosen is None:
                 return None
             if chosen != cand:  # an earlier proposal, confirmed: its step times under this forecast
@@ -223,6 +259,40 @@ class Controller(Scoring):
         if rejected:
             self.proposal = None
         return None
+
+    def confidence_now(self) -> float:
+        """`balance.confidence` spread over the looks at the evidence since it last started afresh
+        (the run's start, a migration, an announced change): the tests run at every step, on
+        overlapping steps, and each block of EVIDENCE_STEPS steps is one more chance for noise
+        to pass them, so the k-th block's tests run at 1 - (1 - confidence) / k (Bonferroni). A
+        model that changes and says so, or a migration, starts it again at `confidence`."""
+        blocks = max(1, -(-(self.observed - self.epoch) // evidence.EVIDENCE_STEPS))
+        return 1 - (1 - self.cfg.confidence) / blocks
+
+    def _after_large_change(self, step: int, costs: list[float], current: Layout, layer_bytes: list[int],
+                            steps_left: int) -> Decision | None:
+        """Two steps of a large change are evidence enough (`evidence.large_change`): the best
+        layout under their costs, if it saves the margin and repays the migration; among the
+        layouts within the margin of it, the one fastest under the forecast of before the change,
+        so that a reversal of the change finds the run on a layout still good. Once: the
+        following steps are judged by the usual evidence."""
+        before, self.large = self.large, None
+        problem = self.problem(costs, current.num_stages, current)
+        new, t_new = candidates.best_layout(problem, self.cfg.balancer, current, self.steps_s)
+        near = [lay for lay in [new, *candidates.neighbours(problem, new)] if lay != current]
+        if not near:
+            return None
+        now = self.steps_s(problem, near)
+        near = [lay for lay, t in zip(near, now) if t <= t_new * (1 + self.margin)]
+        if before is not None and len(near) > 1:
+            old = self.steps_s(self.problem(before, current.num_stages, current), near)
+            new = near[min(range(len(near)), key=lambda i: old[i])]
+        t_now = self.step_s(problem, current)
+        t_cand = self.step_s(problem, new)
+        horizon = max(0, min(self.cfg.horizon, steps_left))
+        if t_now - t_cand < self.margin * t_now or (t_now - t_cand) * horizon <= self.migration_cost(layer_bytes, current, new):
+            return None
+        return self._rebalanced(step, problem, current, new, t_now, t_cand, horizon, layer_bytes)
 
     def _announced_window(self) -> bool:
         """The window holds the first `window` steps from the announced change's step, or from

@@ -41,24 +41,52 @@ from typing import Callable, Sequence
 
 from dynmo.layout import Layout
 
-CONFIRM = 2  # fresh steps that must confirm a proposed move (see `confirmed`)
-# one-sided 95% quantiles of Student's t by degrees of freedom (1..30); beyond, the normal's
-T95 = (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782, 1.771, 1.761, 1.753,
-       1.746, 1.740, 1.734, 1.729, 1.725, 1.721, 1.717, 1.714, 1.711, 1.708, 1.706, 1.703, 1.701, 1.699, 1.697)
-Z95 = 1.645
-# one-sided 97.5% quantiles: each of the two tests of `supported` spends half of the 5%
-T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
-Z975 = 1.960
+CONFIRM = 2  # default fresh steps that confirm a proposed move (`balance.confirm`; see `confirmed`)
+CONFIDENCE = 0.95  # default `balance.confidence`: how sure the evidence must be that a saving is no chance
 EVIDENCE_STEPS = 20  # the longest run of observed steps the evidence reads (the forecast reads `window`)
+LARGE = 0.5  # a step whose time departs this far from the forecast's may be a large change ...
+FAR = 2.0  # ... when it departs this many times as far as any of the last JUMP_STEPS steps did
+JUMP_STEPS = 100
 
 
-def t95(df: int) -> float:
-    return T95[df - 1] if 1 <= df <= len(T95) else Z95
+def t_cdf_abs(t: float, df: int) -> float:
+    """P(|T| < t) for Student's t with an integer number of degrees of freedom, exactly (the
+    finite trigonometric sums of the integer-df distribution)."""
+    if t <= 0:
+        return 0.0
+    theta = math.atan(t / math.sqrt(df))
+    s, c2 = math.sin(theta), math.cos(theta) ** 2
+    if df % 2:  # odd: 2/pi (theta + sin cos (1 + 2/3 cos^2 + 2*4/(3*5) cos^4 + ...))
+        term, acc = 1.0, 1.0 if df > 1 else 0.0
+        for k in range(1, (df - 1) // 2):
+            term *= c2 * (2 * k) / (2 * k + 1)
+            acc += term
+        return 2 / math.pi * (theta + s * math.cos(theta) * acc)
+    term, acc = 1.0, 1.0  # even: sin (1 + 1/2 cos^2 + 1*3/(2*4) cos^4 + ...)
+    for k in range(1, df // 2):
+        term *= c2 * (2 * k - 1) / (2 * k)
+        acc += term
+    return s * acc
 
 
-def t975(df: int) -> float:
-    return T975[df - 1] if 1 <= df <= len(T975) else Z975
+def t_quantile(p: float, df: int) -> float:
+    """The one-sided p-quantile (p > 0.5) of Student's t with df >= 1 degrees of freedom, by
+    bisection on `t_cdf_abs` (to 1e-9)."""
+    want = 2 * p - 1
+    lo, hi = 0.0, 1.0
+    while t_cdf_abs(hi, df) < want:
+        hi *= 2
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if t_cdf_abs(mid, df) < want else (lo, mid)
+        if hi - lo < 1e-9:
+            break
+    return (lo + hi) / 2
+
+
+def level(confidence: float) -> float:
+    """Each of `supported`'s two tests spends half of what the confidence leaves to chance."""
+    return 1 - (1 - confidence) / 2
 
 
 def spread(gains: list[float]) -> float:
@@ -66,9 +94,47 @@ def spread(gains: list[float]) -> float:
     return stdev(gains) if len(gains) > 1 else 0.0
 
 
-def noise_bound(gains: list[float], n: int, t: Callable[[int], float] = t95) -> float:
-    """What the step-to-step variation of `gains` could produce by chance in the mean of n steps."""
-    return t(len(gains) - 1) * spread(gains) / math.sqrt(n) if len(gains) > 1 else 0.0
+TRIM = 0.2  # the share of steps cut from each end of the gains before the test (Yuen's trimmed mean)
+
+
+def trimmed(gains: list[float]) -> tuple[float, float, int]:
+    """(trimmed mean, its standard error, degrees of freedom) of the gains, Yuen's way: the
+    floor(TRIM n) largest and smallest cut for the mean, winsorized for the spread. A transient
+    of a few steps -- a slow phase, a straggler -- moves it little, where it would move the plain
+    mean; with fewer than 5 steps nothing is cut (the plain mean and its standard error)."""
+    n = len(gains)
+    g = int(TRIM * n)
+    x = sorted(gains)
+    kept = x[g:n - g]
+    mean = fmean(kept)
+    if n < 2:
+        return mean, 0.0, 0
+    win = [x[g]] * g + kept + [x[n - g - 1]] * g
+    return mean, stdev(win) / ((1 - 2 * g / n) * math.sqrt(n)), n - 2 * g - 1
+
+
+def noise_bound(gains: list[float], p: float = 0.95) -> float:
+    """What the step-to-step variation of `gains` could produce by chance in their trimmed mean
+    (one-sided, at level p)."""
+    _, se, df = trimmed(gains)
+    return t_quantile(p, df) * se if df >= 1 else 0.0
+
+
+def large_change(rel: float, jumps: Sequence[float], window: int) -> bool:
+    """A step whose simulated time on the current layout departs from the forecast's by `rel`
+    (relative) may be a large change when |rel| >= LARGE and it departs FAR times as far as any
+    of the last JUMP_STEPS steps did, EVIDENCE_STEPS of them seen at least (or `window`, if more):
+    noise whose tails reach that far has shown it can. One such step is not evidence enough: under the noise injector's
+    stragglers and slow phases single steps depart that far (measured in docs/controller.md),
+    so the next step must agree (`confirms_large`)."""
+    return abs(rel) >= LARGE and len(jumps) >= max(window, EVIDENCE_STEPS) and abs(rel) > FAR * max(jumps)
+
+
+def confirms_large(rel: float, sign: int) -> bool:
+    """The step after a possible large change departs from the same forecast at least LARGE the
+    same way: two steps of it are evidence enough to act (`Controller._after_large_change`)."""
+    return sign * rel >= LARGE
+
 
 def gains(old_times: Sequence[float], new_times: Sequence[float]) -> list[float]:
     """Per observed step: the relative step-time saving of the proposed layout (its predicted
@@ -76,46 +142,51 @@ def gains(old_times: Sequence[float], new_times: Sequence[float]) -> list[float]
     return [(old_t - new_t) / old_t if old_t > 0 else 0.0 for old_t, new_t in zip(old_times, new_times)]
 
 
-def significant(gains: list[float], margin: float, t: Callable[[int], float] = t95) -> bool:
-    """The mean gain clears the margin beyond what the gains' variation could produce (above)."""
+def significant(gains: list[float], margin: float, p: float = 0.95) -> bool:
+    """The (trimmed) mean gain clears the margin beyond what the gains' variation could produce."""
     if not gains:
         return False
-    mean = fmean(gains)
-    return mean > 0 and mean - noise_bound(gains, len(gains), t) >= margin
+    mean = trimmed(gains)[0]
+    return mean > 0 and mean - noise_bound(gains, p) >= margin
 
 
-def supported(gains: list[float], window: int, margin: float) -> bool:
+def supported(gains: list[float], window: int, margin: float, confidence: float = CONFIDENCE) -> bool:
     """Significant on the last `window` steps (a large change shows within the window) or on all
     the steps observed, up to EVIDENCE_STEPS (a small gain needs more steps to stand out of the
-    noise); each test at one-sided 97.5%, so that the two together err at most 5% of the time."""
-    if significant(gains[-window:], margin, t975):
+    noise); each test at `level(confidence)` (97.5% one-sided by default), so that the two
+    together err at most 1 - confidence of the time."""
+    if significant(gains[-window:], margin, level(confidence)):
         return True
-    return len(gains) > window and significant(gains, margin, t975)
+    return len(gains) > window and significant(gains, margin, level(confidence))
 
 
 def confirmed(proposal: tuple | None, observed: int, fresh_max: int, window: int, current: Layout, new: Layout,
-              margin: float, gains_of: Callable[[Layout], list[float]]) -> tuple[Layout | None, tuple | None]:
+              margin: float, gains_of: Callable[[Layout], list[float]], confirm: int = CONFIRM,
+              confidence: float = CONFIDENCE) -> tuple[Layout | None, tuple | None]:
     """(the layout to move to, or None; the proposal that stands after this step).
 
     The window that proposes a move also chose it (the optimum of the window's forecast), so
     its gain there is biased up; only steps that played no part in choosing it are fair
-    evidence. A proposal `(boundaries, steps observed then)` is confirmed once CONFIRM steps were
-    observed after it (no more than the evidence holds: `fresh_max`), when their mean gain clears
-    the margin and the evidence, fresh steps included, still `supported` it. Under noise the
-    forecast's optimum may flip between layouts of the same step time: the proposal stands until
-    its own fresh steps judge it; then `new` is proposed afresh."""
+    evidence. A proposal `(boundaries, steps observed then)` is confirmed once `confirm` steps
+    were observed after it (no more than the evidence holds: `fresh_max`), when their mean gain
+    clears the margin and the evidence, fresh steps included, still `supported` it. Under noise
+    the forecast's optimum may flip between layouts of the same step time: the proposal stands
+    until its own fresh steps judge it; then `new` is proposed afresh. With `confirm` = 0 a
+    supported move is made at once."""
+    if confirm == 0:
+        return new, None
     if proposal is not None:
         proposed, since = Layout(proposal[0]), proposal[1]
         fresh = min(observed - since, fresh_max)
-        if fresh < min(CONFIRM, window):
+        if fresh < min(confirm, window):
             return None, proposal
         if proposed.num_stages == current.num_stages and proposed != current:
             gains = gains_of(proposed)
-            if fmean(gains[-fresh:]) > margin and supported(gains, window, margin):
+            if fmean(gains[-fresh:]) > margin and supported(gains, window, margin, confidence):
                 return proposed, None
     return None, (new.boundaries, observed)
 
 
-def announced(gains: list[float], window: int, margin: float) -> bool:
-    """The first window after an announced change: the window's steps alone, at 97.5%."""
-    return len(gains) >= window and significant(gains[-window:], margin, t975)
+def announced(gains: list[float], window: int, margin: float, confidence: float = CONFIDENCE) -> bool:
+    """The first window after an announced change: the window's steps alone, at `level(confidence)`."""
+    return len(gains) >= window and significant(gains[-window:], margin, level(confidence))

@@ -63,8 +63,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dynmo.config import ConfigError, NoiseConfig
+from dynmo.config import Config, ConfigError, NoiseConfig
 from dynmo.dynamics.case import Case
+from dynmo.layout import Layout
+from dynmo.loop import DynmoLoop
+from dynmo.record import StepRecord
 from dynmo.model import stats
 
 BACKWARD_RATIO = 2.0  # a layer's backward takes about this many times its forward
@@ -193,6 +196,27 @@ def recorded_costs(draws: Draws, step: int, costs: list[float], ranks: list[int]
     these, so what the controller decides under noise does not depend on the machine."""
     return [c * median(draws.factor(step, i, mb, r, r) for mb in range(max(1, microbatches)))
             for i, (c, r) in enumerate(zip(costs, ranks))]
+
+
+def decisions_under_noise(cfg: Config, costs: list[float], steps: int) -> list[tuple[int, tuple[int, ...]]]:
+    """(step, new layout) of every decision the DynMo loop of `cfg` (its [balance], [noise],
+    layout and schedule) makes over `steps` steps on per-layer `costs` (seconds per microbatch)
+    read through the noise's own draws (`recorded_costs`): what a run of `cfg` with those costs
+    injected (DYNMO_COSTS) decides, without running a model or reading this machine's timing."""
+    draws, m = Draws(cfg.noise), cfg.train.microbatches
+    text = cfg.parallel.layout
+    layout = Layout.parse(text, len(costs)) if any(ch.isdigit() for ch in text) else Layout.uniform(len(costs), cfg.parallel.pp or 2)
+    loop = DynmoLoop(cfg.balance, microbatches=m, schedule=cfg.parallel.schedule, layer_params=[1] * len(costs))
+    moves = []
+    for step in range(steps):
+        d = loop.decide(step, layout, steps - step)
+        if d is not None:
+            moves.append((step, d.layout.boundaries))
+            layout = d.layout
+            loop.applied(m)
+        seen = recorded_costs(draws, step, costs, list(layout.owner()), m)
+        loop.observe(StepRecord(step=step, layout=list(layout.boundaries), layer_cost_s=seen, microbatches=m))
+    return moves
 
 
 class Burner:

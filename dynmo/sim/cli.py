@@ -94,6 +94,10 @@ def _parser() -> ArgumentParser:
     r.add_argument("--every", type=int, default=b.every, help=f"with --when every: steps between rebalances (default {b.every})")
     r.add_argument("--window", type=int, default=b.window, help=f"controller's median forecast window (default {b.window})")
     r.add_argument("--min-gain", type=float, default=b.min_gain, help=f"auto: minimum bottleneck reduction (default {b.min_gain})")
+    r.add_argument("--confidence", type=float, default=b.confidence,
+                   help=f"auto: how sure the evidence must be that a saving is not noise (default {b.confidence})")
+    r.add_argument("--confirm", type=int, default=b.confirm,
+                   help=f"auto: fresh steps that must confirm a proposed move (default {b.confirm})")
     r.add_argument("--horizon", type=int, default=b.horizon, help=f"auto: steps the saving must repay the migration in (default {b.horizon})")
     r.add_argument("--repack-tolerance", type=float, default=b.repack_tolerance,
                    help=f"+repack: allowed bottleneck growth (default {b.repack_tolerance})")
@@ -299,6 +303,8 @@ def _check_replay_args(args: argparse.Namespace) -> list[str] | None:
     integer("--window", args.window, 1, MAX_STEPS, limit="MAX_STEPS")
     integer("--horizon", args.horizon, 1, 10**9)
     number("--min-gain", args.min_gain)
+    number("--confidence", args.confidence, 0.5, 1)
+    integer("--confirm", args.confirm, 0, MAX_STEPS, limit="MAX_STEPS")
     number("--repack-tolerance", args.repack_tolerance)
     number("--mig-bandwidth", args.mig_bandwidth, positive=True, allow_inf=True)
     number("--mig-fixed", args.mig_fixed)
@@ -368,7 +374,7 @@ def _replay_main(args: argparse.Namespace) -> int:
     if args.save_trace:
         trace.write(args.save_trace)
     balance = replay_balance(when=args.when, every=args.every, window=args.window, min_gain=args.min_gain,
-                             horizon=args.horizon, repack_tolerance=args.repack_tolerance,
+                             confidence=args.confidence, confirm=args.confirm, horizon=args.horizon, repack_tolerance=args.repack_tolerance,
                              retune_microbatches=args.retune_microbatches, links=args.links)
     opts = ReplayOptions(
         schedule=args.schedule, microbatches=args.microbatches, stages_per_rank=args.stages_per_rank,
