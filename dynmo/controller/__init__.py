@@ -32,12 +32,15 @@ migration's predicted cost (fixed + bytes / bandwidth, re-fitted from every migr
 routing) make each step's costs noisy, and the layout that is optimal for a forecast fitted
 to that noise looks better than it is (the winner's curse). So `auto` moves layers only when
   - the forecast (per-layer median of the last `window` steps) saves at least `min_gain`
-    (0 by default) of the step time;
+    (1 % by default, the simulator's measured accuracy) of the step time;
   - the saving is significant on the observed steps, each evaluated under its own costs: a
-    one-sided t-test on the per-step savings of the window, or of up to 20 observed steps
-    (`evidence.supported`), so a saving the steps' own variation could produce moves nothing;
-  - the proposed move is confirmed on 2 fresh steps (`evidence.confirmed`), so a real change is
-    acted on `window` + 2 steps after it happened (5 by default); a change the model announces
+    one-sided trimmed-mean t-test on the per-step savings of the window, or of up to 20
+    observed steps (`evidence.supported`), at `confidence` (0.95) spread over the looks since
+    the evidence last started afresh, so a saving the steps' own variation could produce moves
+    nothing;
+  - the proposed move is confirmed on `confirm` fresh steps (2; `evidence.confirmed`), so a real
+    change is acted on `window` + `confirm` steps after it happened (5 by default); a change
+    far larger than any the noise showed (`evidence.large_change`) after 2; a change the model announces
     (a dynamism event) is acted on from its first window alone, `window` steps after it
     (`evidence.announced`): what changed and when is known, not selected from noise;
   - failing the window's optimum, the optimum of every observed step's median cost (`steady`,

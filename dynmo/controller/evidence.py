@@ -2,23 +2,25 @@
 
 The test. Each observed step k gives the relative saving g_k of the proposed layout over the
 current one under that step's own costs (the simulated step time of both). Step-to-step
-variation of the machine and of the model (noise, per-step dynamism) spreads the g_k; their
-standard deviation s over n steps measures it. A move is significant on those n steps when
+variation of the machine and of the model (noise, per-step dynamism) spreads the g_k. A move
+is significant on n steps when
 
-    mean(g) - t(n-1) x s / sqrt(n) >= margin   and   mean(g) > 0
+    mean_t(g) - t(df) x se_t(g) >= margin   and   mean_t(g) > 0
 
-with t(n-1) a one-sided quantile of Student's t with n-1 degrees of freedom: a saving the
-steps' own variation would produce by chance does not move layers. It is tested twice
-(`supported`), on the forecast's `window` steps (a large change shows at once) and on up to
-EVIDENCE_STEPS observed steps (a gain of a few percent under noise needs more steps to stand
-out), each at 97.5%. `margin` is `balance.min_gain` (an optional floor, 0 by default), doubled
-after a migration that lost. With no variation (a noise-free replay) the test passes for any
-positive saving, and the controller moves for any gain that repays its migration over the
-horizon.
+with mean_t the trimmed mean (TRIM of the steps cut from each end: a transient of a few steps
+moves it little), se_t its winsorized standard error and t(df) a one-sided quantile of
+Student's t (`t_quantile`, exact for integer df): a saving the steps' own variation would
+produce by chance does not move layers. It is tested twice (`supported`), on the forecast's
+`window` steps (a large change shows at once) and on up to EVIDENCE_STEPS observed steps (a
+gain of a few percent under noise needs more steps to stand out), each at `level(confidence)`
+(97.5 % for `balance.confidence` = 0.95); the controller lowers the confidence's risk as the
+looks at the same evidence add up (`Controller.confidence_now`). `margin` is
+`balance.min_gain` (1 % by default), doubled after a migration that lost. With no variation
+(a noise-free replay) the test passes for any saving above the margin.
 
 The window that proposes a move also chose it (the optimum of the window's forecast), so its
 gains there are biased up (the winner's curse). A proposal is therefore confirmed only after
-CONFIRM fresh steps that played no part in choosing it: their mean gain must clear the margin,
+`balance.confirm` fresh steps that played no part in choosing it: their mean gain must clear the margin,
 and the test above, fresh steps included, must still hold.
 
 A change the model announces (a dynamism event: a pruning step, frozen blocks, exits switched
