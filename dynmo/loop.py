@@ -172,3 +172,6 @@ class DynmoLoop:
         ctl.observe(costs, rec.step_s or None, changed=bool(rec.dynamism), layout=layout)
         for e in rec.migrations:
             ctl.observe_migration(e["bytes"], e["seconds"])
+        for e in rec.events:
+            if e.get("restart_s"):  # a checkpoint restart that took workers back, measured
+                ctl.observe_restart(float(e["restart_s"]))

@@ -16,12 +16,16 @@ from dynmo.controller import candidates, evidence, migration
 from dynmo.controller.evidence import CONFIRM
 from dynmo.controller.judge import JUDGE, Judge
 from dynmo.controller.migration import MIGRATION_BANDWIDTH, MIGRATION_FIXED_S
-from dynmo.controller.repack import repack
+from dynmo.controller.repack import grow, repack
 from dynmo.controller.scoring import HistoryTimes, Scoring
 from dynmo.controller.steptime import StepModel
 from dynmo.layout import Layout
 
-__all__ = ["CONFIRM", "JUDGE", "Controller", "Decision"]
+__all__ = ["CONFIRM", "JUDGE", "RESTART_S", "Controller", "Decision"]
+
+# the prior cost of growing back (checkpoint, relaunch, resume) until a restart was measured:
+# generous, so that the first grow needs a lasting saving
+RESTART_S = 60.0
 
 
 @dataclass
@@ -69,7 +73,8 @@ class Controller(Scoring):
     proposal: tuple | None = None  # (layout boundaries, observed steps then): a move awaiting fresh evidence
     observed: int = 0  # steps observed
     searched: Layout | None = None  # the last local search's best layout, a candidate until the next search
-    widest: int = 0  # the most pipeline positions the run has had: re-packing's reference
+    widest: int = 0  # the most pipeline positions the run has had: re-packing's reference, growing's target
+    restart_s: float = RESTART_S  # seconds a checkpoint restart onto more workers costs; re-fitted when measured
     steady: Layout | None = None  # auto: the optimum of every observed step's costs, searched once a window
     changed_at: int = 0  # auto: the observed steps when the model last announced a change (0: none pending)
     epoch: int = 0  # auto: the observed steps when the evidence last started afresh (`confidence_now`)
@@ -172,6 +177,7 @@ class Controller(Scoring):
     def decide(self, step: int, current: Layout, layer_bytes: list[int], steps_left: int) -> Decision | None:
         """judge -> trigger -> forecast -> re-pack -> propose (with `auto`'s evidence)."""
         c = self.cfg
+        self.widest = max(self.widest, current.num_stages)
         # `every` is the paper's fixed frequency: the user's schedule, not judged
         revert = self._judge_last_migration(current, layer_bytes, steps_left) if c.when not in ("never", "every") else None
         if revert is not None:
@@ -183,6 +189,10 @@ class Controller(Scoring):
             return self._after_large_change(step, costs, current, layer_bytes, steps_left)
         if costs is None or len(self.history) < c.window and c.when == "auto":
             return None
+        if c.repack and current.num_stages < self.widest:
+            d = self._grow(step, costs, current, layer_bytes, steps_left)
+            if d is not None:
+                return d
         if c.repack and current.num_stages > 1:
             d = self._repack(step, costs, current, layer_bytes, steps_left)
             if d is not None:
@@ -344,9 +354,28 @@ class Controller(Scoring):
         return Decision(chk.old, 0.0, 0.0, (v.t_new - v.t_old) * max(0, min(self.cfg.horizon, steps_left)), cost,
                         predicted_step_s=v.t_old, current_step_s=v.t_new, reason="revert")
 
+    def _grow(self, step: int, costs: list[float], current: Layout, layer_bytes: list[int],
+              steps_left: int) -> Decision | None:
+        """The released workers back, through a checkpoint restart (`repack.grow`)."""
+        horizon = max(0, min(self.cfg.horizon, steps_left))
+        cost = self.restart_s  # the layers come back from the checkpoint the restart reads
+        g = grow(self.cfg, costs, current, self.widest, self.problem, self.steps_s, list(self.history), horizon, cost)
+        if g is None:
+            return None
+        problem = self.problem(costs, self.widest)
+        return self._decided(step, current, Decision(
+            g.layout, max(problem.loads_of_assignment(g.layout.owner())),
+            max(self.problem(costs, current.num_stages, current).loads_of_assignment(current.owner())),
+            (g.current_step_s - g.step_s) * horizon, cost, predicted_step_s=g.step_s, current_step_s=g.current_step_s,
+            reason="grow"))
+
+    def observe_restart(self, seconds: float) -> None:
+        """A grow's restart was measured: the next one is priced at it."""
+        if seconds > 0:
+            self.restart_s = seconds
+
     def _repack(self, step: int, costs: list[float], current: Layout, layer_bytes: list[int],
                 steps_left: int) -> Decision | None:
-        self.widest = max(self.widest, current.num_stages)
         keep = {tuple(c) for c in self.history}  # what the memo holds for steps that left the history goes
         self.repack_memo = {key: t for key, t in self.repack_memo.items() if key[0] in keep}
         r = repack(self.cfg, costs, current, self.peak_total, self.problem, self.steps_s, list(self.history),

@@ -4,8 +4,14 @@ tolerance of the best layout's on every worker the run started with, once the mo
 The reference is the run's first workers, not today's: measured against today's, each re-pack
 could cost its tolerance on top of the last one's.
 
-Released workers never come back, so a model that may still grow keeps them: the re-pack waits
-until the forecast total cost fell by `repack_shrink` from the largest seen.
+A re-pack waits until the forecast total cost fell by `repack_shrink` from the largest seen:
+released workers come back only through a checkpoint restart (`grow`), which costs far more than
+a migration, so a model that may still grow keeps them.
+
+Growing back (`grow`) is the mirror: when the packed layout is no longer within the tolerance of
+the best layout on every worker the run started with, on the forecast and on 80 % of the
+observed steps, and the step time it saves over the horizon repays the restart (`restart_s`,
+a prior until a restart was measured) and the migration, the workers come back.
 """
 
 from __future__ import annotations
@@ -86,3 +92,35 @@ def _fits_on_most_steps(cfg: BalanceConfig, new: Layout, k: int, problem_of: Pro
         t_best = best_of(costs)
         ok += steps_of(problem_of(costs, k), [new])[0] <= t_best * (1 + cfg.repack_tolerance) * (1 + 1e-9)
     return ok >= -(-len(steps) * 4 // 5)
+
+
+@dataclass
+class Grow:
+    layout: Layout  # on all `widest` positions
+    step_s: float  # its predicted step time
+    current_step_s: float  # the packed layout's
+
+
+def grow(cfg: BalanceConfig, costs: list[float], current: Layout, widest: int, problem_of: ProblemOf,
+         steps_of: StepsOf, history: Iterable[list[float]], horizon: int, cost_s: float) -> Grow | None:
+    """Take the released workers back, or None: the best layout on all `widest` positions, when
+    the packed `current` runs beyond the re-pack's tolerance of it (on the forecast, and, with
+    `when` other than `every`, on 80 % of the observed steps: the restart reads all the evidence
+    there is, as the re-pack did) and the saving over `horizon` steps exceeds `cost_s` (the
+    restart and the migration)."""
+    if current.num_stages >= widest:
+        return None
+    wide, t_wide = best_layout(problem_of(costs, widest), cfg.balancer, None, steps_of)
+    t_now = float(steps_of(problem_of(costs, current.num_stages, current), [current])[0])
+    if t_now <= t_wide * (1 + cfg.repack_tolerance) * (1 + 1e-9) or (t_now - t_wide) * horizon <= cost_s:
+        return None
+    if cfg.when != "every":
+        steps = list(history)
+        beyond = 0
+        for c in steps:
+            best = best_layout(problem_of(c, widest), cfg.balancer, None, steps_of)[1]
+            packed = steps_of(problem_of(c, current.num_stages, current), [current])[0]
+            beyond += packed > best * (1 + cfg.repack_tolerance) * (1 + 1e-9)
+        if beyond < -(-len(steps) * 4 // 5):
+            return None
+    return Grow(wide, t_wide, t_now)
