@@ -83,8 +83,13 @@ def _parser() -> ArgumentParser:
     r = ap.add_argument_group("trace replay (--trace)")
     r.add_argument("--stages", type=int, help="pipeline stages (default: the traced run's)")
     r.add_argument("--stages-per-rank", type=int, help="stages per rank for multi-stage schedules")
-    r.add_argument("--policies", help="comma-separated: uniform, params, optimal, deepspeed, "
-                   "diffusion-contiguous, <balancer>+repack, oracle (default: all)")
+    r.add_argument("--policies", help="comma-separated: uniform, params, profile-once, optimal, deepspeed, "
+                   "diffusion-contiguous, <balancer>+repack, oracle, oracle-window (default: all)")
+    r.add_argument("--start", default="default",
+                   help="where the dynamic policies start: uniform, params, profile-once, or default (the layout a "
+                        "training run starts on, parallel.layout's default: uniform)")
+    r.add_argument("--oracle-window", type=int, default=None,
+                   help="oracle-window: steps per window (default: --window + --confirm)")
     r.add_argument("--scale-blocks", type=int, help="first scale the trace to N transformer blocks (scale_trace)")
     r.add_argument("--cost-scale", type=float, default=1.0, help="with --scale-blocks: multiply layer costs")
     r.add_argument("--params-scale", type=float, default=1.0, help="with --scale-blocks: multiply block params")
@@ -281,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _check_replay_args(args: argparse.Namespace) -> list[str] | None:
     """Check every replay flag before the trace is read; return the asked policies (None: default)."""
-    from dynmo.sim.replay import parse_policy
+    from dynmo.sim.replay import STARTS, parse_policy
 
     if args.schedule is not None:
         canonical_name(args.schedule)
@@ -312,6 +317,9 @@ def _check_replay_args(args: argparse.Namespace) -> list[str] | None:
     choice("--links", args.links, ("measure", "free"))
     if args.profile_steps is not None:
         integer("--profile-steps", args.profile_steps, 1, MAX_STEPS, limit="MAX_STEPS")
+    choice("--start", args.start, STARTS)
+    if args.oracle_window is not None:
+        integer("--oracle-window", args.oracle_window, 1, MAX_STEPS, limit="MAX_STEPS")
     args.link_delay_s = _link_delay(args.link_delay)
     number("--op-overhead", args.op_overhead)
     if args.allreduce_bandwidth is not None:
@@ -382,7 +390,8 @@ def _replay_main(args: argparse.Namespace) -> int:
         migration_fixed_s=args.mig_fixed, charge_decide=not args.no_decide_time, comm=args.comm,
         op_overhead=args.op_overhead,
         p2p=args.p2p or "eager", allreduce_bandwidth=args.allreduce_bandwidth,
-        allreduce_latency=args.allreduce_latency, shard=args.shard,
+        allreduce_latency=args.allreduce_latency, shard=args.shard, initial=args.start,
+        oracle_window=args.oracle_window,
         **({"profile_steps": args.profile_steps} if args.profile_steps is not None else {}),
     )
     policies = asked or default_policies(trace, opts)

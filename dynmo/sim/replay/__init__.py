@@ -24,15 +24,27 @@ iteration of the schedule with them. Policies:
                        layers onto the fewest stages whose optimal bottleneck stays within the
                        tolerance; released workers never return; optionally the microbatch
                        count is re-tuned for the shorter pipeline (balance.retune_microbatches);
-  oracle               per step the optimal contiguous layout for that step's own costs (and
-                       the link times the dynamic policies see), with no migration or decide
-                       cost: the oracle bound.
+  oracle               per step the fastest layout for that step's own costs (and the link
+                       times the dynamic policies see) among the controller's candidates and
+                       every layout another policy ran then, with no migration or decide
+                       cost: the oracle bound;
+  oracle-window        one layout per window of W steps (ReplayOptions.oracle_window, default
+                       balance.window + balance.confirm), chosen in hindsight among the
+                       controller's candidates for the window's costs and every layout another
+                       policy ran in it, migrations charged between windows: the bound of a
+                       controller that follows lasting changes; never below the best static
+                       layout, never above the per-step oracle.
+
+The dynamic policies start on ReplayOptions.initial (uniform, params, profile-once, or default:
+the layout a training run starts on, `default_start`).
 
 Every result carries its speedup over static uniform (`speedup`) and over the best static
 layout a careful user could pick (`speedup_vs_best_static`: the fastest total time among
-uniform, params and profile-once, replayed for the comparison when not asked for), and its
-cost in worker-seconds (`worker_s`, per-worker throughput): re-packing shows as the same
-training on fewer workers.
+uniform, params and profile-once, replayed for the comparison when not asked for), the same
+two over the last half of the steps (`speedup_second_half`, `speedup_vs_best_static_second_half`),
+each dynamic policy's share of each oracle's gain over the best static layout
+(`capture_oracle`, `capture_oracle_window`), and its cost in worker-seconds (`worker_s`,
+per-worker throughput): re-packing shows as the same training on fewer workers.
 
 Links. `ReplayOptions.comm` is the transfer time of an activation (and of its gradient) on
 every link between neighbouring stages, `ReplayOptions.link_delay[j]` an extra delay per
@@ -53,18 +65,19 @@ from __future__ import annotations
 
 from dynmo.sim.replay.links import LINK_MODES, replay_link_delays
 from dynmo.sim.replay.options import (
-    DEFAULT_POLICIES, DYNAMIC, GRAD_BYTES_PER_PARAM, LINK_DELAY_FACTORS, PROFILE_STEPS, STATIC, ReplayOptions,
-    default_policies, parse_policy, replay_balance,
+    DEFAULT_POLICIES, DYNAMIC, GRAD_BYTES_PER_PARAM, LINK_DELAY_FACTORS, ORACLES, PROFILE_STEPS, STARTS, STATIC,
+    ReplayOptions, default_oracle_window, default_policies, default_start, parse_policy, replay_balance,
 )
 from dynmo.sim.replay.policies import profile_costs, profile_once_layout
 from dynmo.sim.replay.render import link_delay_table, summary_table, trace_summary
-from dynmo.sim.replay.result import PolicyResult
+from dynmo.sim.replay.result import CAPTURE_MIN_GAIN, PolicyResult, capture
 from dynmo.sim.replay.run import replay
 from dynmo.sim.replay.units import UNIT_POLICIES, balance_gap, load_sublayer_trace, replay_units
 
 __all__ = [
-    "DEFAULT_POLICIES", "DYNAMIC", "GRAD_BYTES_PER_PARAM", "LINK_DELAY_FACTORS", "LINK_MODES", "PROFILE_STEPS", "STATIC",
-    "UNIT_POLICIES", "PolicyResult", "ReplayOptions", "balance_gap", "default_policies", "link_delay_table",
+    "CAPTURE_MIN_GAIN", "DEFAULT_POLICIES", "DYNAMIC", "GRAD_BYTES_PER_PARAM", "LINK_DELAY_FACTORS", "LINK_MODES",
+    "ORACLES", "PROFILE_STEPS", "STARTS", "STATIC", "UNIT_POLICIES", "PolicyResult", "ReplayOptions", "balance_gap",
+    "capture", "default_oracle_window", "default_policies", "default_start", "link_delay_table",
     "load_sublayer_trace", "parse_policy", "profile_costs", "profile_once_layout", "replay", "replay_balance",
     "replay_link_delays", "replay_units", "summary_table", "trace_summary",
 ]

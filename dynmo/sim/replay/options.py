@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dynmo.balance import BALANCERS
-from dynmo.config import BalanceConfig, ConfigError
+from dynmo.config import BalanceConfig, ConfigError, ParallelConfig
 from dynmo.controller import MIGRATION_BANDWIDTH, MIGRATION_FIXED_S
 from dynmo.engine import SimInputError, canonical_name, default_stages_per_rank
 from dynmo.loop import check_balance
@@ -16,7 +16,10 @@ from dynmo.sim.trace import Trace
 
 STATIC = ("uniform", "params", "profile-once")
 DYNAMIC = ("optimal", "deepspeed", "diffusion-contiguous")
-DEFAULT_POLICIES = (*STATIC, *DYNAMIC, *(f"{b}+repack" for b in DYNAMIC), "oracle")
+ORACLES = ("oracle-window", "oracle")  # the bounds: per window of steps (migrations charged), per step (free)
+DEFAULT_POLICIES = (*STATIC, *DYNAMIC, *(f"{b}+repack" for b in DYNAMIC), *ORACLES)
+# where the dynamic policies start: a static layout, or "default", the layout a training run starts on
+STARTS = (*STATIC, "default")
 GRAD_BYTES_PER_PARAM = 4  # fp32 gradients in the data-parallel all-reduce
 PARAM_BYTES_PER_PARAM = 4  # fp32 parameters (and gradients) in the sharded runs' all-gathers (reduce-scatters)
 SHARDS = ("none", "optimizer", "full")  # the parallel.shard values, all modelled
@@ -30,6 +33,28 @@ def replay_balance(**knobs) -> BalanceConfig:
     return BalanceConfig(**({"when": "auto"} | knobs))
 
 
+def default_start() -> str:
+    """The static layout a training run starts on when its config does not say: the default of
+    `parallel.layout` (`dynmo.plan.initial_layout` lays it out before step 0; "uniform" today).
+    `ReplayOptions.initial = "default"` resolves to it, so the replay starts where a real run does."""
+    start = ParallelConfig().layout.strip().lower()
+    if start not in STATIC:  # an explicit layout fits one model only; the replay cannot start there
+        raise SimInputError(f"parallel.layout defaults to {start!r}, which the replay cannot start from; "
+                            f"give one of {', '.join(STATIC)}")
+    return start
+
+
+def start_layout_name(initial: str) -> str:
+    """The static policy whose layout the dynamic policies start on (`ReplayOptions.initial`)."""
+    return default_start() if initial == "default" else initial
+
+
+def default_oracle_window(balance: BalanceConfig) -> int:
+    """oracle-window's steps per window: the controller's forecast window plus the fresh steps
+    that confirm a move, the shortest change an evidence-driven controller acts on."""
+    return balance.window + balance.confirm
+
+
 @dataclass
 class ReplayOptions:
     schedule: str | None = None  # default: the traced run's
@@ -38,8 +63,12 @@ class ReplayOptions:
     # the DynMo loop's knobs, as [balance] in a training config; each dynamic policy sets the
     # balancer and re-packing from its name (optimal+repack)
     balance: BalanceConfig = field(default_factory=replay_balance)
-    initial: str = "uniform"  # initial layout of the dynamic policies: uniform | params | profile-once
+    # where the dynamic policies start: uniform | params | profile-once | default (`default_start`:
+    # the layout a training run starts on, `parallel.layout`'s default)
+    initial: str = "default"
     profile_steps: int = PROFILE_STEPS  # profile-once: median of steps 1 .. profile_steps
+    # oracle-window: steps per window; None: balance.window + balance.confirm (`default_oracle_window`)
+    oracle_window: int | None = None
     # migration cost: seconds = fixed + bytes / bandwidth (and the controller's prior)
     migration_bandwidth: float = MIGRATION_BANDWIDTH  # bytes/s
     migration_fixed_s: float = MIGRATION_FIXED_S
@@ -61,6 +90,11 @@ class ReplayOptions:
     # each backward op their all-gathers and reduce-scatters
     shard: str = "none"
 
+    @property
+    def window_steps(self) -> int:
+        """oracle-window's steps per window: `oracle_window`, else `default_oracle_window`."""
+        return int(self.oracle_window) if self.oracle_window is not None else default_oracle_window(self.balance)
+
     def check(self) -> None:
         try:
             check_balance(self.balance)
@@ -68,8 +102,12 @@ class ReplayOptions:
             raise SimInputError(str(e)) from None
         if self.balance.when == "never":
             raise SimInputError("balance.when = never keeps every layout static; the dynamic policies need every, dynamism or auto")
-        if self.initial not in STATIC:
-            raise SimInputError(f"initial must be one of {', '.join(STATIC)}, got {self.initial!r}")
+        if self.initial not in STARTS:
+            raise SimInputError(f"initial (the dynamic policies' start) must be one of {', '.join(STARTS)}, "
+                                f"got {self.initial!r}")
+        if self.oracle_window is not None and (isinstance(self.oracle_window, bool) or not isinstance(
+                self.oracle_window, (int, np.integer)) or self.oracle_window < 1):
+            raise SimInputError(f"oracle_window must be an integer >= 1 (steps per window), got {self.oracle_window!r}")
         if not self.op_overhead >= 0 or not self.comm >= 0 or not np.isfinite(self.comm + self.op_overhead):
             raise SimInputError("comm and op_overhead are finite seconds >= 0")
         if isinstance(self.profile_steps, bool) or not isinstance(self.profile_steps, (int, np.integer)) \
@@ -102,13 +140,14 @@ def parse_policy(name: str) -> tuple[str, bool]:
     base, _, extra = name.partition("+")
     if extra not in ("", "repack"):
         raise SimInputError(f"unknown policy suffix in {name!r}; only +repack exists")
-    if base == "oracle" or base in STATIC:
+    if base in ORACLES or base in STATIC:
         if extra:
             raise SimInputError(f"{base} cannot re-pack; re-packing needs a dynamic policy (e.g. optimal+repack)")
         return base, False
     if base not in BALANCERS or not BALANCERS[base][1]:
         contiguous = sorted(b for b, (_, c) in BALANCERS.items() if c)
-        raise SimInputError(f"unknown policy {name!r}: use uniform, params, profile-once, oracle or a contiguous "
+        raise SimInputError(f"unknown policy {name!r}: use uniform, params, profile-once, oracle, oracle-window or "
+                            f"a contiguous "
                             f"balancer ({', '.join(contiguous)}), optionally with +repack")
     return base, extra == "repack"
 

@@ -1,4 +1,5 @@
-"""The policies a replay compares: static layouts, the oracle bound, and the DynMo loop on traced costs."""
+"""The policies a replay compares: static layouts, the oracle bounds (per step, per window), and the DynMo loop on
+traced costs."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from dynmo.controller import candidates
 from dynmo.layout import Layout
 from dynmo.loop import DynmoLoop
 from dynmo.record import StepRecord
-from dynmo.sim.replay.options import ReplayOptions
+from dynmo.sim.replay.options import ReplayOptions, start_layout_name
 from dynmo.sim.replay.result import PolicyResult
 from dynmo.sim.replay.runner import Runner
 from dynmo.sim.trace import Trace
@@ -62,26 +63,157 @@ def run_static(trace: Trace, runner: Runner, layout: Layout, res: PolicyResult) 
         runner.step(k, layout, res)
 
 
-def run_oracle(trace: Trace, runner: Runner, stages: int, res: PolicyResult,
-               others: Sequence[PolicyResult] = ()) -> None:
-    """The oracle bound: at every step the layout of least simulated step time, free to change
-    with no migration or decide cost. Its candidates are the controller's for that step's own
-    costs (`dynmo.controller.candidates`, scored by the replay's own simulation of the step)
-    and every layout another replayed policy (`others`) ran at that step, so no policy that runs
-    the same microbatches can beat it."""
+def oracle_picks(trace: Trace, runner: Runner, stages: int,
+                 others: Sequence[PolicyResult] = ()) -> list[tuple[Layout, float]]:
+    """The per-step oracle's choice at every step: (the layout of least simulated step time, that
+    time), among the controller's candidates for the step's own costs (`dynmo.controller.candidates`,
+    scored by the replay's own simulation of the step) and every layout a policy of `others` ran at
+    that step with the replay's microbatches."""
     transfer = runner.link_times(stages)
+    picks = []
     for k in range(len(trace.steps)):
         problem = Problem(costs=runner.costs[k].tolist(), stages=stages, transfer=transfer, transfer_back=transfer)
         best, t_best = candidates.best_layout(problem, "optimal", None,
                                               lambda _p, lays: [runner.iteration_s(k, lay) for lay in lays])
-        for r in others:
-            if k < len(r.layouts) and r.microbatches[k] == runner.m and r.layouts[k] != list(best.boundaries):
-                lay = Layout(tuple(r.layouts[k]))
-                t = runner.iteration_s(k, lay)
-                if t < t_best:
-                    best, t_best = lay, t
+        best, t_best = _fastest_of_others(runner, k, best, t_best, others)
+        picks.append((best, t_best))
+    return picks
+
+
+def _fastest_of_others(runner: Runner, k: int, best: Layout, t_best: float,
+                       others: Sequence[PolicyResult]) -> tuple[Layout, float]:
+    """`best` or a layout a policy of `others` ran at step k (with the replay's microbatches),
+    whichever step k runs faster on (ties keep `best`)."""
+    for r in others:
+        if k < len(r.layouts) and r.microbatches[k] == runner.m and r.layouts[k] != list(best.boundaries):
+            lay = Layout(tuple(r.layouts[k]))
+            t = runner.iteration_s(k, lay)
+            if t < t_best:
+                best, t_best = lay, t
+    return best, t_best
+
+
+def run_oracle(trace: Trace, runner: Runner, stages: int, res: PolicyResult,
+               others: Sequence[PolicyResult] = (), picks: list[tuple[Layout, float]] | None = None) -> None:
+    """The oracle bound: at every step the layout of least simulated step time, free to change
+    with no migration or decide cost. Its candidates are the controller's for that step's own
+    costs (`dynmo.controller.candidates`, scored by the replay's own simulation of the step)
+    and every layout another replayed policy (`others`) ran at that step, so no policy that runs
+    the same microbatches can beat it. `picks`: `oracle_picks` already made (then `others` are
+    compared with them once more, e.g. oracle-window's layouts, chosen after them)."""
+    if picks is None:
+        picks = oracle_picks(trace, runner, stages, others)
+    else:
+        picks = [_fastest_of_others(runner, k, lay, t, others) for k, (lay, t) in enumerate(picks)]
+    for k, (best, _) in enumerate(picks):
         res.overhead_s.append(0.0)
         runner.step(k, best, res)
+
+
+def run_oracle_window(trace: Trace, runner: Runner, stages: int, window: int, opts: ReplayOptions,
+                      res: PolicyResult, others: Sequence[PolicyResult] = ()) -> None:
+    """The bound of a controller that follows lasting changes: one layout per window of `window`
+    consecutive steps (0..W-1, W..2W-1, ...; the last may be shorter), chosen in hindsight, and a
+    migration charged wherever the layout changes between windows -- the cost model the dynamic
+    policies pay (`opts.migration_fixed_s` + bytes of the layers whose worker changes /
+    `opts.migration_bandwidth`, the bytes of the window's first step), no decide time. The first
+    window's layout is free, as every static layout's is.
+
+    A window's candidates: the controller's (`dynmo.controller.candidates.best_layout`, the
+    balancer's min-max layout and its local search) for the window's per-layer median costs and
+    for its mean (summed) costs, each scored by the window's total simulated step time; every
+    layout a policy of `others` ran in the window with the replay's microbatches (pass the static
+    layouts and the per-step oracle's: see `replay`); and the previous window's candidates, so a
+    layout can be held across a change that tilts one window. Over those, the sequence of least
+    total time, migrations included, is a shortest path through the windows (`_cheapest_path`):
+    with free migrations each window simply runs its fastest candidate.
+
+    What holds, by construction: every static layout in `others` is a candidate of every window,
+    and holding it costs no migration, so that path's total is the static layout's, and
+    oracle-window's total is never above the best static layout's -- with free migrations, and
+    with costly ones too (it then holds a layout rather than pay for a move that does not repay
+    itself). It is never below the per-step oracle's when that oracle also sees its layouts
+    (`replay` does), since the per-step oracle picks each step's fastest layout among them and
+    pays nothing to move. Over the whole space of layout sequences it is a heuristic like the
+    per-step oracle: the best of the candidates, not of every contiguous layout."""
+    n_steps = len(trace.steps)
+    transfer = runner.link_times(stages)
+    windows = [list(range(a, min(a + window, n_steps))) for a in range(0, n_steps, window)]
+    per_window: list[tuple[list[Layout], list[float]]] = []  # candidates, their window totals
+    previous: list[Layout] = []
+    for steps in windows:
+        memo: dict[tuple[int, ...], float] = {}
+
+        def total(lay: Layout, steps=steps, memo=memo) -> float:
+            if lay.boundaries not in memo:
+                memo[lay.boundaries] = float(sum(runner.iteration_s(k, lay) for k in steps))
+            return memo[lay.boundaries]
+
+        cands: list[Layout] = []
+        window_costs = runner.costs[steps]
+        for costs in (np.median(window_costs, axis=0), np.mean(window_costs, axis=0)):
+            problem = Problem(costs=costs.tolist(), stages=stages, transfer=transfer, transfer_back=transfer)
+            best, _ = candidates.best_layout(problem, "optimal", None, lambda _p, lays: [total(lay) for lay in lays])
+            cands.append(best)
+        for r in others:
+            for k in steps:
+                if k < len(r.layouts) and r.microbatches[k] == runner.m:
+                    cands.append(Layout(tuple(r.layouts[k])))
+        own = list(dict.fromkeys(cands))
+        cands = list(dict.fromkeys([*own, *previous]))
+        per_window.append((cands, [total(lay) for lay in cands]))
+        previous = own
+    if not windows:
+        return
+    path = _cheapest_path(per_window, [w[0] for w in windows], runner, opts)
+    layout = None
+    for steps, lay in zip(windows, path):
+        for k in steps:
+            overhead = 0.0
+            if layout is not None and k == steps[0] and lay != layout:
+                moved, nbytes = moved_bytes(layout, lay, list(range(lay.num_stages)), runner.layer_bytes(k))
+                if moved:
+                    overhead = opts.migration_fixed_s + nbytes / opts.migration_bandwidth
+                    res.migrations += 1
+                    res.layers_moved += moved
+                    res.migration_s += overhead
+            res.overhead_s.append(overhead)
+            runner.step(k, lay, res)
+            layout = lay
+
+
+def _cheapest_path(per_window: list[tuple[list[Layout], list[float]]], firsts: list[int], runner: Runner,
+                   opts: ReplayOptions) -> list[Layout]:
+    """One candidate per window, of least total time: the windows' totals plus a migration's
+    seconds wherever consecutive windows' layouts differ (charged with the bytes of the later
+    window's first step, `firsts`). Among equal totals the path with fewer moved layers wins, then
+    the earlier candidate."""
+    cands, times = per_window[0]
+    cost = np.asarray(times, dtype=float)
+    moves = np.zeros(len(cands), dtype=np.int64)
+    back: list[np.ndarray] = []
+    prev = cands
+    for (cands, times), k in zip(per_window[1:], firsts[1:]):
+        lbytes = np.asarray(runner.layer_bytes(k), dtype=float)
+        a = np.asarray([lay.owner() for lay in prev])  # (previous candidates, layers): stage of each layer
+        b = np.asarray([lay.owner() for lay in cands])
+        changed = a[:, None, :] != b[None, :, :]  # worker j of the new layout is old worker j
+        n_moved = changed.sum(axis=2)
+        seconds = np.where(n_moved > 0, opts.migration_fixed_s + (changed @ lbytes) / opts.migration_bandwidth, 0.0)
+        through = cost[:, None] + seconds  # (previous, new)
+        through_moves = moves[:, None] + n_moved
+        pick = np.lexsort((through_moves, through), axis=0)[0]  # per new candidate: least time, then fewest moves
+        cols = np.arange(len(cands))
+        cost = through[pick, cols] + np.asarray(times, dtype=float)
+        moves = through_moves[pick, cols]
+        back.append(pick)
+        prev = cands
+    j = int(np.lexsort((moves, cost))[0])
+    path = [per_window[-1][0][j]]
+    for w in range(len(per_window) - 1, 0, -1):
+        j = int(back[w - 1][j])
+        path.append(per_window[w - 1][0][j])
+    return path[::-1]
 
 
 def run_dynamic(trace: Trace, runner: Runner, stages: int, balancer: str, do_repack: bool,
@@ -94,7 +226,7 @@ def run_dynamic(trace: Trace, runner: Runner, stages: int, balancer: str, do_rep
                      layer_bytes=runner.prior_bytes,
                      transfer=links, transfer_back=links,
                      migration_fixed_s=opts.migration_fixed_s, migration_bandwidth=opts.migration_bandwidth)
-    layout = static_layout(opts.initial, trace, stages, runner)
+    layout = static_layout(start_layout_name(opts.initial), trace, stages, runner)
     m = runner.m
     n_steps = len(trace.steps)
     for k, st in enumerate(trace.steps):

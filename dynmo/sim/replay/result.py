@@ -6,6 +6,20 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+CAPTURE_MIN_GAIN = 0.005  # an oracle gaining less over the best static layout leaves its capture blank
+
+
+def capture(vs_best: float | None, oracle_vs_best: float | None) -> float | None:
+    """The share of an oracle's gain over the best static layout that a policy captures, in
+    throughput: (policy's - best static's) / (oracle's - best static's) steps/s, which is
+    (speedup_vs_best_static - 1) / (the oracle's speedup_vs_best_static - 1). 1: all of it, 0:
+    none (the best static layout's throughput), < 0: slower than the best static layout. None
+    without both ratios, or where the oracle gains less than CAPTURE_MIN_GAIN (0.5 %): a share of
+    almost nothing is noise."""
+    if vs_best is None or oracle_vs_best is None or not oracle_vs_best - 1 >= CAPTURE_MIN_GAIN:
+        return None
+    return (vs_best - 1) / (oracle_vs_best - 1)
+
 
 @dataclass
 class PolicyResult:
@@ -28,6 +42,15 @@ class PolicyResult:
     # vs the best static layout (the fastest of uniform, params, profile-once): its total time / this
     speedup_vs_best_static: float | None = None
     best_static: str | None = None  # which static policy that was
+    # the same two over the last half of the steps only (steps // 2 onwards, what is charged before
+    # them included): against static uniform's and the static layout best over those steps
+    speedup_second_half: float | None = None
+    speedup_vs_best_static_second_half: float | None = None
+    best_static_second_half: str | None = None
+    # dynamic policies: the share of the per-step oracle's / oracle-window's gain over the best
+    # static layout this policy captures (`capture`); None for the others
+    capture_oracle: float | None = None
+    capture_oracle_window: float | None = None
 
     @property
     def steps(self) -> int:
@@ -36,6 +59,13 @@ class PolicyResult:
     @property
     def total_s(self) -> float:
         return float(sum(self.iteration_s) + self.migration_s + self.decide_s)
+
+    @property
+    def second_half_s(self) -> float:
+        """Seconds of the last half of the steps (from steps // 2 on): their simulated iterations and
+        what was charged before them (migrations, decisions)."""
+        h = self.steps // 2
+        return float(sum(self.iteration_s[h:]) + sum(self.overhead_s[h:]))
 
     @property
     def worker_s(self) -> float:
@@ -77,6 +107,10 @@ class PolicyResult:
             "policy": self.policy, "steps": self.steps, "total_s": self.total_s, "steps_per_s": self.steps_per_s,
             "tokens_per_s": self.tokens_per_s, "speedup": self.speedup, "speedup_per_worker": self.speedup_per_worker,
             "speedup_vs_best_static": self.speedup_vs_best_static, "best_static": self.best_static,
+            "speedup_second_half": self.speedup_second_half,
+            "speedup_vs_best_static_second_half": self.speedup_vs_best_static_second_half,
+            "best_static_second_half": self.best_static_second_half,
+            "capture_oracle": self.capture_oracle, "capture_oracle_window": self.capture_oracle_window,
             "worker_s": self.worker_s, "tokens_per_s_per_worker": self.tokens_per_s_per_worker,
             "steps_per_worker_s": self.steps_per_worker_s, "mean_bubble": self.mean_bubble,
             "workers_mean": self.workers_mean, "workers_final": self.workers_final,

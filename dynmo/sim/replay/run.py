@@ -6,9 +6,9 @@ from typing import Sequence
 
 from dynmo.balance import BalanceError
 from dynmo.engine import SimInputError
-from dynmo.sim.replay.options import STATIC, ReplayOptions, default_policies, parse_policy
-from dynmo.sim.replay.policies import run_dynamic, run_oracle, run_static, static_layout
-from dynmo.sim.replay.result import PolicyResult
+from dynmo.sim.replay.options import ORACLES, STATIC, ReplayOptions, default_policies, parse_policy
+from dynmo.sim.replay.policies import oracle_picks, run_dynamic, run_oracle, run_oracle_window, run_static, static_layout
+from dynmo.sim.replay.result import PolicyResult, capture
 from dynmo.sim.replay.runner import Runner
 from dynmo.sim.trace import Trace
 
@@ -19,7 +19,10 @@ def replay(trace: Trace, stages: int | None = None, dp: int | None = None,
 
     `stages` and `dp` default to the traced run's; `policies` to `default_policies`. `speedup` is relative to static
     uniform, `speedup_vs_best_static` to the fastest of the static policies (uniform, params, profile-once; each
-    replayed for the comparison even when not asked for, and then not returned).
+    replayed for the comparison even when not asked for, and then not returned); the `_second_half` ones the same
+    over the last half of the steps (against the static layout fastest there). Each dynamic policy's
+    `capture_oracle` / `capture_oracle_window` is the share of that bound's gain over the best static layout it
+    captures (`dynmo.sim.replay.result.capture`), when that bound was asked for.
     """
     opts = options or ReplayOptions()
     opts.check()
@@ -44,7 +47,7 @@ def replay(trace: Trace, stages: int | None = None, dp: int | None = None,
         tokens = float(h.tokens_per_microbatch) * runner.m * dp
     out: dict[str, PolicyResult] = {}
     for name, base, rp in parsed:
-        if name in out or base == "oracle":
+        if name in out or base in ORACLES:
             continue
         res = PolicyResult(name, tokens_per_step=tokens)
         if base in STATIC:
@@ -67,16 +70,41 @@ def replay(trace: Trace, stages: int | None = None, dp: int | None = None,
             raise
         run_static(trace, runner, layout, ref)
         statics[name] = ref
-    if any(base == "oracle" for _, base, _ in parsed):  # last: its candidates include every other policy's layouts
+    asked = {base for _, base, _ in parsed}
+    # the bounds last: their candidates include every other policy's layouts. The per-step oracle
+    # chooses first, oracle-window sees its choices too, and the per-step oracle then also takes
+    # oracle-window's layout wherever that runs a step faster: it is never slower at any step.
+    others = [*out.values(), *statics.values()]
+    picks = oracle_picks(trace, runner, stages, others) if "oracle" in asked else None
+    if "oracle-window" in asked:
+        seen = others
+        if picks is not None:
+            seen = [*others, PolicyResult("oracle", layouts=[list(lay.boundaries) for lay, _ in picks],
+                                          microbatches=[runner.m] * len(picks))]
+        out["oracle-window"] = PolicyResult("oracle-window", tokens_per_step=tokens)
+        run_oracle_window(trace, runner, stages, opts.window_steps, opts, out["oracle-window"], seen)
+    if picks is not None:
         out["oracle"] = PolicyResult("oracle", tokens_per_step=tokens)
-        run_oracle(trace, runner, stages, out["oracle"], [*out.values(), *statics.values()])
+        run_oracle(trace, runner, stages, out["oracle"], [out[p] for p in ("oracle-window",) if p in out], picks)
     ref = statics["uniform"]
     best = min(statics.values(), key=lambda r: r.total_s)  # ties: the first in STATIC order
+    best_half = min(statics.values(), key=lambda r: r.second_half_s)
     for r in out.values():
         r.speedup = ref.total_s / r.total_s if r.total_s > 0 else None
         r.speedup_per_worker = ref.worker_s / r.worker_s if r.worker_s > 0 else None
         r.speedup_vs_best_static = best.total_s / r.total_s if r.total_s > 0 else None
         r.best_static = best.policy
+        half = r.second_half_s
+        r.speedup_second_half = ref.second_half_s / half if half > 0 else None
+        r.speedup_vs_best_static_second_half = best_half.second_half_s / half if half > 0 else None
+        r.best_static_second_half = best_half.policy
+    for name, _, _ in parsed:
+        r = out[name]
+        if name in STATIC or name in ORACLES:
+            continue
+        for bound, attr in (("oracle", "capture_oracle"), ("oracle-window", "capture_oracle_window")):
+            if bound in out:
+                setattr(r, attr, capture(r.speedup_vs_best_static, out[bound].speedup_vs_best_static))
     return _ordered(out, [p for p, _, _ in parsed])
 
 
