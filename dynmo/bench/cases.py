@@ -46,7 +46,7 @@ CASES = [
     BenchCase("mixtral", "configs/mixtral.toml", "auto", 16, 8, 32, steps=60, dense=None),
 ]
 SIM_POLICIES = ["uniform", "params", "profile-once", "optimal", "optimal+repack", "deepspeed", "diffusion-contiguous",
-                "oracle"]
+                "oracle-window", "oracle"]
 STATIC_VARIANTS = ("uniform", "params", "profile-once")
 # whole blocks against half blocks: every sublayer trace in OUT/traces/sublayer/ scaled to this many
 # blocks and replayed at this shape (4 microbatches per stage, as the cases' replays)

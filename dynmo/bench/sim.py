@@ -15,14 +15,14 @@ from dynmo.bench.cases import (
 from dynmo.bench.run import _dense_prefix, dense_name
 from dynmo.sim import SimInputError, TraceError, load_trace, scale_trace
 from dynmo.sim.plots import write_plots
-from dynmo.sim.replay import ReplayOptions, load_sublayer_trace, replay, replay_balance, replay_units
+from dynmo.sim.replay import ReplayOptions, capture, load_sublayer_trace, replay, replay_balance, replay_units
 
 
 def sim_rows(case: BenchCase, out: Path) -> list[dict]:
     trace = scale_trace(load_trace(out / "traces" / f"{case.name}-static.jsonl"), case.blocks, noise=0.05)
     # 4 microbatches per stage (as benchmarks/bench_sim.py), as large runs use to keep the
     # fill/drain bubble small; the real run's trigger (a trace's dynamism events drive `dynamism`)
-    opts = ReplayOptions(microbatches=4 * case.stages, balance=replay_balance(when=case.when))
+    opts = ReplayOptions(microbatches=4 * case.stages, balance=replay_balance(when=case.when), initial="uniform")
     results = replay(trace, stages=case.stages, dp=case.dp, policies=SIM_POLICIES, options=opts)
     write_plots(results, out / "plots" / case.name, title=f"{case.name}: {case.blocks} blocks, {case.stages} stages x {case.dp} dp")
     # dynmo started from the best static layout a profile gives, rather than from uniform: what
@@ -30,6 +30,10 @@ def sim_rows(case: BenchCase, out: Path) -> list[dict]:
     (warm,) = replay(trace, stages=case.stages, dp=case.dp, policies=["optimal"],
                      options=replace(opts, initial="profile-once"))
     warm.policy = "optimal from profile-once"
+    # its share of the oracles' gains, from this replay's oracles (the same trace, shape and static layouts)
+    bounds = {r.policy: r.speedup_vs_best_static for r in results}
+    warm.capture_oracle = capture(warm.speedup_vs_best_static, bounds.get("oracle"))
+    warm.capture_oracle_window = capture(warm.speedup_vs_best_static, bounds.get("oracle-window"))
     results.append(warm)
     # the model without the technique, scaled and replayed alike on static uniform
     dense = None
