@@ -14,6 +14,7 @@ from pathlib import Path
 
 from dynmo import hf_config, rundir
 from dynmo.config import Config, ConfigError, ModelConfig
+from dynmo.layout import Layout
 from dynmo.loop import check_balance
 from dynmo.model.families import check_block
 from dynmo.plan import DTYPES, UNITS, explicit_layout, layer_names, num_layers, parse_relayouts, recompute_blocks, resolve_pp
@@ -420,6 +421,7 @@ def check_checkpoint(cfg: Config, path: str) -> dict:
         raise ConfigError(f"{Path(path) / 'dynmo.json'}: the checkpoint's layers are not the model's: layer {i} is {a} "
                           f"in the checkpoint and {b} in the model ({len(theirs)} vs {len(names)} layers)")
     check_checkpoint_cases(cfg, path, meta)
+    check_checkpoint_grow(cfg, path, meta)
     step, steps = meta["step"], cfg.train.steps
     if step > steps:
         raise ConfigError(f"checkpoint {path} is at step {step}, past train.steps={steps}; raise --steps "
@@ -433,6 +435,25 @@ def check_checkpoint(cfg: Config, path: str) -> dict:
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
     return meta
+
+
+def check_checkpoint_grow(cfg: Config, path: str, meta: dict) -> None:
+    """A checkpoint saved for a grow (`dynmo.trainer`) records the layout the run resumes on and
+    when the grow was decided and saved; a record that does not hold them is refused."""
+    grow = meta.get("grow")
+    if grow is None:
+        return
+    try:
+        layout = Layout(tuple(int(b) for b in grow["layout"]))
+        ok = (type(grow["step"]) is int and all(type(k) is int for k in grow["stages"]) and len(grow["stages"]) == 2
+              and all(isinstance(grow[k], (int, float)) for k in ("decided_at", "saved_at")))
+        if meta.get("unit", "block") == cfg.parallel.unit and layout.num_layers != num_layers(cfg):
+            ok = False
+    except (TypeError, KeyError, ValueError):
+        ok = False
+    if not ok:
+        raise ConfigError(f"{Path(path) / 'dynmo.json'}: its 'grow' record (the layout to resume on after a grow) "
+                          "is malformed; the checkpoint is damaged: resume from another checkpoint")
 
 
 def check_checkpoint_cases(cfg: Config, path: str, meta: dict) -> None:

@@ -11,6 +11,11 @@ and `--overwrite true`. Everything after the known flags is passed on as config 
 Bad input the checks can see is one line and exit status 2 before anything starts. torchrun's
 agent runs in a process of its own (`agent`, `python -m dynmo.launch --agent ...`) that reports
 a worker's failure as one line too, the first failing rank's, instead of torchrun's report.
+
+A run that grows back onto ranks a re-pack released ends with every worker at exit status 0
+and, as the newest checkpoint of its run folder, one saved for the grow (`grow` in its
+`dynmo.json`); `grow_restart` tells it from a finished run, and the job is launched again, with
+the same --nproc and --nnodes, resuming from that checkpoint (docs/failures.md).
 """
 
 from __future__ import annotations
@@ -18,11 +23,13 @@ from __future__ import annotations
 import argparse
 import collections
 import ctypes
+import json
 import logging
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from dynmo import checks, rundir
@@ -143,6 +150,63 @@ def _node_args(args) -> list[str]:
     return out
 
 
+def grow_restart(status: int, meta: dict | None, launched_at: float, resumed_step: int | None) -> bool:
+    """Whether a job that ended with `status` asks to be launched again on its whole world:
+    it ended well (every worker exit 0, so torchrun spent none of --max-restarts on it), and
+    `meta` (the `dynmo.json` of the newest complete checkpoint in the run folder) records a
+    grow saved by this job: after it was launched (`launched_at`, epoch seconds) and past the
+    step it resumed from (`resumed_step`, None for a fresh start). A failed or stopped job
+    never restarts this way, nor does a run whose newest checkpoint is an older grow's."""
+    if status != 0 or not isinstance(meta, dict):
+        return False
+    grow, step = meta.get("grow"), meta.get("step")
+    if not isinstance(grow, dict) or type(step) is not int:
+        return False
+    saved_at = grow.get("saved_at")
+    if not isinstance(saved_at, (int, float)) or saved_at < launched_at:
+        return False
+    return resumed_step is None or step > resumed_step
+
+
+def _checkpoint_step(path: str | None) -> int | None:
+    """The step of the checkpoint a job resumes from, None for a fresh start (or unreadable)."""
+    try:
+        step = json.loads((Path(path) / "dynmo.json").read_text())["step"] if path else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return step if type(step) is int else None
+
+
+def _newest_meta(out: str) -> tuple[Path | None, dict | None]:
+    """The newest complete checkpoint of a run folder and its `dynmo.json`."""
+    latest = rundir.latest_checkpoint(Path(out))
+    if latest is None:
+        return None, None
+    try:
+        return latest, json.loads((latest / "dynmo.json").read_text())
+    except (OSError, ValueError):
+        return latest, None
+
+
+def _run_growing(cmd: list[str], env: dict, out: str, resume: str | None, nproc: int, machines: bool) -> int:
+    """Run the job; while it ends asking to grow back (`grow_restart`), launch it again with the
+    same torchrun flags (--nproc, --nnodes), resuming from the grow's checkpoint."""
+    resumed = _checkpoint_step(resume)
+    while True:
+        launched_at = time.time()
+        status = _run_forwarding_signals(cmd, env)
+        latest, meta = _newest_meta(out)
+        if not grow_restart(status, meta, launched_at, resumed):
+            return status
+        stages = meta["grow"].get("stages") or ["?"]
+        ranks = f"{nproc} ranks per machine" if machines else f"{nproc} ranks"
+        print(f"dynmo: restarting the job on its {ranks} from {latest} (the grow to {stages[-1]} pipeline "
+              f"ranks at step {meta['step']})", flush=True)
+        # later overrides win: resume from the grow's checkpoint, and never clear the run folder again
+        cmd = [*cmd, "--checkpoint.resume", str(latest), "--overwrite", "false"]
+        resumed = meta["step"]
+
+
 def _worlds(args) -> list[int]:
     """The world sizes the job may run at: nproc x each node count --nnodes allows."""
     try:
@@ -220,7 +284,7 @@ def main(argv: list[str]) -> int:
     # the rendezvous store across restarts without a per-attempt prefix, and gloo then reads its
     # peers' addresses from the failed attempt and cannot connect.
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    return _run_forwarding_signals(cmd, env)
+    return _run_growing(cmd, env, cfg.out, cfg.checkpoint.resume or None, args.nproc, node != ["--standalone"])
 
 
 if __name__ == "__main__":

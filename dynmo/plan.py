@@ -64,11 +64,16 @@ def initial_layout(cfg: Config, num_stages: int, layer_params: list[int] | None 
 
 
 def first_layout(cfg: Config, num_stages: int, layer_params: list[int], saved_costs: list[float] | None = None,
-                 saved_layout: list[int] | None = None) -> tuple[Layout, bool]:
-    """The layout a run starts on, and whether it was re-balanced: `parallel.layout`, except when
-    resuming on a different number of stages than the checkpoint was saved with (an elastic
-    restart on fewer workers) and the layout is not explicit. Then the balancer lays the layers
-    out on the costs measured before the save."""
+                 saved_layout: list[int] | None = None, grown: list[int] | None = None) -> tuple[Layout, bool]:
+    """The layout a run starts on, and whether it was re-balanced: `parallel.layout`, except
+
+    - when resuming from the checkpoint of a grow (`grown`: the layout the grow decided, which
+      the run was restarted to train on) whose layout has this world's stage count: that one;
+    - when resuming on a different number of stages than the checkpoint was saved with (an
+      elastic restart on fewer workers) and the layout is not explicit. Then the balancer lays
+      the layers out on the costs measured before the save."""
+    if grown is not None and len(grown) - 1 == num_stages and cfg.parallel.virtual_stages == 1:
+        return Layout(tuple(grown)), False
     explicit = cfg.parallel.layout.strip().lower() not in ("uniform", "params")
     if (not saved_costs or not saved_layout or len(saved_layout) - 1 == num_stages or explicit
             or cfg.parallel.virtual_stages != 1):
@@ -77,9 +82,13 @@ def first_layout(cfg: Config, num_stages: int, layer_params: list[int], saved_co
 
 
 def parse_relayouts(cfg: Config, num_stages: int) -> dict[int, Layout]:
-    """`parallel.relayout` entries "STEP:LAYOUT" -> {step: layout}; a layout with fewer stages is
-    a re-pack, and later entries apply to the shrunk pipeline. Steps are 0-based, at most one
-    entry per step, each before a step the run trains (0 .. train.steps - 1)."""
+    """`parallel.relayout` entries "STEP:LAYOUT" -> {step: layout}, for a pipeline launched with
+    `num_stages` stages. A layout with fewer stages than the pipeline has at that point is a
+    re-pack, and later entries apply to the shrunk pipeline; one with more stages is a grow
+    (a checkpoint and a restart on the whole world, `dynmo.trainer`), up to the `num_stages`
+    the job was launched with. Steps are 0-based, at most one entry per step, each before a
+    step the run trains (0 .. train.steps - 1)."""
+    launched = num_stages
     out: dict[int, Layout] = {}
     steps = cfg.train.steps
     for entry in cfg.parallel.relayout:
@@ -101,10 +110,10 @@ def parse_relayouts(cfg: Config, num_stages: int) -> dict[int, Layout]:
             layout = Layout.parse(lay, num_layers(cfg))
         except LayoutError as e:
             raise ConfigError(f"{where}: {e}") from None
+        if layout.num_stages > launched:
+            raise ConfigError(f"{where}: layout {layout} has {layout.num_stages} stages; the pipeline cannot grow "
+                              f"beyond the {launched} it is launched with (launch more ranks, or use fewer stages)")
         if layout.num_stages != num_stages:
-            if layout.num_stages > num_stages:
-                raise ConfigError(f"{where}: layout {layout} has {layout.num_stages} stages, the pipeline has "
-                                  f"{num_stages} and cannot grow")
             if cfg.parallel.virtual_stages != 1:
                 raise ConfigError(f"{where}: re-packing onto fewer stages needs one stage per rank "
                                   f"(schedule gpipe or 1f1b), not {cfg.parallel.schedule}")

@@ -3,6 +3,11 @@
 One step, on every rank: forced re-layouts, the DynMo loop's decision (rank 0 decides, every
 rank migrates), the dynamic-model cases, the training step, one merged `StepRecord` that the
 loop observes and the metrics and the trace write.
+
+A layout with more stages than the pipeline has (after a re-pack released ranks) is a grow:
+released ranks are gone, so every active rank saves a checkpoint that records the layout to
+resume on, and the run ends; `dynmo train` restarts the job on its whole world from it
+(`dynmo.launch`), and the restarted run reports what the restart cost in a "grow" event.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from dynmo.runtime.record import gather_record
 class Trainer:
     def __init__(self, cfg: Config, ctx: rdist.DistContext):
         self.cfg, self.ctx = cfg, ctx
+        self.created_at = time.time()  # a grow's restart: what of it the set-up here took
         self.out = Path(cfg.out)
         folder = prepare(cfg.data.paths, cfg.model.vocab_size, cfg.data.cache_dir, cfg.model.hf_path) if ctx.rank == 0 else None
         obj = [str(folder) if folder else None]
@@ -45,11 +51,18 @@ class Trainer:
         self.params = layer_param_counts(cfg.model, cfg.parallel.unit)
         saved = checkpoint.read_meta(Path(cfg.checkpoint.resume)) if cfg.checkpoint.resume else {}
         if saved.get("unit", "block") != cfg.parallel.unit:  # its layout and costs count other units
-            saved = {**saved, "layer_costs": None, "layout": None}
+            saved = {**saved, "layer_costs": None, "layout": None, "grow": None}
         self.saved_costs = saved.get("layer_costs")
-        layout, rebalanced = plan.first_layout(cfg, num_stages, self.params, self.saved_costs, saved.get("layout"))
+        self.saved_layout = saved.get("layout")  # boundaries the checkpoint was saved on
+        # resuming from the checkpoint of a grow: the layout it decided, when it fits this world
+        self.resumed_grow: dict | None = saved.get("grow") if isinstance(saved.get("grow"), dict) else None
+        grown = self.resumed_grow["layout"] if self.resumed_grow else None
+        layout, rebalanced = plan.first_layout(cfg, num_stages, self.params, self.saved_costs, saved.get("layout"),
+                                               grown)
         self.pipe = Pipeline(cfg, ctx, layout)
         self.letters = [s.letter for s in self.pipe.specs]
+        if grown and ctx.is_logger:
+            self._say_grown(grown, num_stages, len(saved["layout"]) - 1)
         if rebalanced and ctx.is_logger:
             print(f"dynmo: resuming on {num_stages} stages (saved on {len(saved['layout']) - 1}): layout "
                   f"{layout.format(self.letters)} chosen by the {cfg.balance.balancer} balancer "
@@ -70,6 +83,13 @@ class Trainer:
             for c in self.cases:
                 c.after_load(self.start_step)
         self.relayouts = plan.parse_relayouts(cfg, num_stages)
+        if self.resumed_grow is not None:
+            # The grow's own step: resuming onto its layout applied it (and any forced re-layout
+            # of that step before it). A grow onto fewer stages than this world re-packs onto it.
+            self.relayouts.pop(self.start_step, None)
+            if len(grown) - 1 < num_stages:
+                self.relayouts[self.start_step] = Layout(tuple(grown))
+        self.growing: dict | None = None  # a grow decided before this step: checkpoint, then the run ends
         speeds, transfer, transfer_back = self._measure_workers()
         self.loop = DynmoLoop(cfg.balance, microbatches=self.pipe.microbatches, schedule=cfg.parallel.schedule,
                               stages_per_rank=cfg.parallel.virtual_stages, layer_params=self.params, speeds=speeds,
@@ -95,17 +115,56 @@ class Trainer:
                   f"forward/backward [{links}]", flush=True)
         return speeds, transfer, transfer_back
 
+    def _say_grown(self, grown: list[int], num_stages: int, saved_stages: int) -> None:
+        """Rank 0, resuming from a grow's checkpoint: the layout it resumes on, and why."""
+        g = self.resumed_grow
+        if len(grown) - 1 == num_stages:
+            print(f"dynmo: resuming on {num_stages} stages (saved on {saved_stages}): layout "
+                  f"{Layout(tuple(grown)).format(self.letters)}, the one the grow at step {g['step']} decided", flush=True)
+        elif len(grown) - 1 > num_stages:
+            print(f"dynmo: the grow at step {g['step']} decided {len(grown) - 1} stages, but this job has "
+                  f"{num_stages}; not using its layout", flush=True)
+
     # ---- before a step -------------------------------------------------------------------
     def _before_step(self, step: int) -> list[dict]:
-        """Re-layouts first: a layer rebuilt by a migration must get this step's model changes too."""
+        """Re-layouts first: a layer rebuilt by a migration must get this step's model changes too.
+
+        A re-layout onto more stages than the pipeline has is a grow (`_grow`): nothing else
+        happens before the step, which the restarted job trains."""
         events: list[dict] = []
+        if self.resumed_grow is not None and step == self.start_step:
+            events.append(self._grow_event(self.resumed_grow))
         if step in self.relayouts:
+            if self.relayouts[step].num_stages > self.pipe.num_stages:
+                self._grow(step, self.relayouts[step], {"reason": "forced"})
+                return events
             events.append(self._migrate(self.relayouts[step]) | {"reason": "forced"})
         if not self.pipe.released:
             events += self._rebalance(step)
-        if not self.pipe.released:
+        if not self.pipe.released and self.growing is None:
             events += _tagged(self.cases, lambda c: c.before_step(step))
         return events
+
+    def _grow(self, step: int, layout: Layout, fields: dict) -> None:
+        """A layout with more stages than the active pipeline: the released ranks are gone, so it
+        is applied by a restart. Records the grow; `run` saves the checkpoint and ends the run."""
+        launched = self.ctx.world // self.ctx.dp * self.cfg.parallel.virtual_stages
+        if layout.num_stages > launched:
+            raise ValueError(f"a grow onto {layout.num_stages} stages at step {step}, but the job was launched "
+                             f"with {launched}")
+        self.growing = {"step": step, "layout": list(layout.boundaries),
+                        "stages": [self.pipe.num_stages, layout.num_stages], "decided_at": time.time()} | fields
+
+    def _grow_event(self, g: dict) -> dict:
+        """The first step on the grown world: what the grow cost, from the decision to now
+        (`restart_s`): the checkpoint (`checkpoint_s`), the old job's end and the new one's
+        launch (processes, imports, rendezvous), and this job's set-up (`setup_s`: data, layers,
+        the checkpoint's load, probes)."""
+        now = time.time()
+        extra = {k: v for k, v in g.items() if k not in ("step", "layout", "stages", "decided_at", "saved_at")}
+        return {"type": "grow", "old": list(self.saved_layout), "new": g["layout"], "stages": g["stages"],
+                "decided_step": g["step"], "checkpoint_s": g["saved_at"] - g["decided_at"],
+                "setup_s": now - self.created_at, "restart_s": now - g["decided_at"]} | extra
 
     def _migrate(self, layout: Layout) -> dict:
         """Apply a layout on every active rank (a re-pack if it has fewer stages)."""
@@ -132,6 +191,10 @@ class Trainer:
         decide_s = time.perf_counter() - t0
         decision = obj[0]
         if decision is None:
+            return []
+        if decision.layout.num_stages > self.pipe.num_stages:  # released workers come back: a restart
+            if self.resumed_grow is None or step != self.start_step:  # never twice at one step
+                self._grow(step, decision.layout, self.loop.event(decision, decide_s))
             return []
         event = self._migrate(decision.layout) | self.loop.event(decision, decide_s)
         self.loop.applied(self.pipe.microbatches)
@@ -167,6 +230,8 @@ class Trainer:
             events = self._before_step(step)
             if self.pipe.released:
                 return {"released": True, "rank": ctx.rank, "step": step}
+            if self.growing is not None:
+                return self._save_for_grow(step, log, trace)
             rec = self._train_step(step, events)
             records.append(rec)
             if log:
@@ -214,9 +279,25 @@ class Trainer:
             rec.val_loss = self.validate()
         return rec
 
-    def _save(self, path: Path, step: int) -> None:
+    def _save(self, path: Path, step: int, grow: dict | None = None) -> None:
         checkpoint.save(self.pipe, path, step, self.cfg, {c.name: c.state() for c in self.cases}, self.cfg.checkpoint.keep,
-                        costs=self.loop.controller.forecast())
+                        costs=self.loop.controller.forecast(), grow=grow)
+
+    def _save_for_grow(self, step: int, log: MetricsLog | None, trace) -> dict:
+        """Every active rank: the checkpoint the grown job resumes from (`step` steps trained),
+        recording the grow; then this job ends (exit 0) and `dynmo train` restarts it on the whole
+        world. No summary: the run goes on."""
+        g = self.growing
+        if self.ctx.is_logger:
+            print(f"dynmo: growing back to {g['stages'][1]} pipeline ranks at step {step}: checkpoint, restart",
+                  flush=True)
+        path = self.out / f"checkpoint-{step}"
+        self._save(path, step, grow=g | {"checkpoint": path.name})
+        if trace:
+            trace.close()
+        if log:
+            log.close(None)
+        return {"grow": True, "step": step, "checkpoint": str(path), "stages": g["stages"]}
 
     def validate(self) -> float:
         total, n = 0.0, 0

@@ -23,6 +23,7 @@ import errno
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -90,7 +91,7 @@ class CheckpointWriteError(RuntimeError):
 
 
 def save(pipe: Pipeline, path: Path, step: int, cfg: Config, cases: dict | None = None, keep: int = 0,
-         costs: list[float] | None = None) -> None:
+         costs: list[float] | None = None, grow: dict | None = None) -> None:
     """Collective over the active ranks. `step` = number of steps already trained.
 
     Atomic: the shards and `dynmo.json` (last) go into a hidden temporary folder beside `path`,
@@ -100,6 +101,9 @@ def save(pipe: Pipeline, path: Path, step: int, cfg: Config, cases: dict | None 
     keeps that many newest complete checkpoints in the run folder and removes older ones.
     `costs`: the per-layer costs the run measured last (the controller's forecast), stored so a
     restart on another number of workers can lay the layers out before it measures anything.
+    `grow`: the record of a grow this checkpoint is saved for (`dynmo.trainer`: its step, the
+    layout to resume on, when it was decided); stored as `grow` with `saved_at` (epoch seconds)
+    added, which tells the launcher to restart the job on the whole world from here.
     """
     group = pipe.ctx.active_group  # after a re-pack, the released ranks are gone
     tmp = path.parent / f".{path.name}.tmp"
@@ -131,6 +135,8 @@ def save(pipe: Pipeline, path: Path, step: int, cfg: Config, cases: dict | None 
                 "cases": cases or {},  # the dynamic-model cases' own state (dynmo.dynamics.case)
                 "layer_costs": costs,
             }
+            if grow is not None:
+                meta["grow"] = grow | {"saved_at": time.time()}
             _write_synced(tmp / "config.toml", to_toml(cfg))
             _write_synced(tmp / "dynmo.json", json.dumps(meta, indent=2) + "\n")  # the completion marker: last
             _put_in_place(tmp, path)

@@ -82,12 +82,18 @@ class MetricsLog:
         for ev in rec.events:
             if ev["type"] == "migration":
                 s += f"\n      migrated {ev['layers_moved']} layers {ev['old']} -> {ev['new']} ({ev['bytes'] / 1e6:.2f} MB, {ev['seconds'] * 1e3:.1f} ms)"
+            elif ev["type"] == "grow":
+                s += (f"\n      grew {ev['stages'][0]} -> {ev['stages'][1]} stages {ev['old']} -> {ev['new']} by a restart "
+                      f"({ev['restart_s']:.1f} s from the decision: checkpoint {ev['checkpoint_s']:.2f} s, "
+                      f"set-up {ev['setup_s']:.2f} s, the rest ending and launching the job)")
             else:
                 s += f"\n      {ev['type']}: " + ", ".join(f"{k}={v}" for k, v in ev.items() if k != "type")
         return s
 
-    def close(self, summary: dict) -> None:
-        (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    def close(self, summary: dict | None) -> None:
+        """Write `summary.json` (None: the run goes on in a restarted job, which writes it) and close."""
+        if summary is not None:
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
