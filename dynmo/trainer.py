@@ -124,6 +124,9 @@ class Trainer:
         elif len(grown) - 1 > num_stages:
             print(f"dynmo: the grow at step {g['step']} decided {len(grown) - 1} stages, but this job has "
                   f"{num_stages}; not using its layout", flush=True)
+        else:
+            print(f"dynmo: the grow at step {g['step']} decided {len(grown) - 1} of this job's {num_stages} stages: "
+                  f"re-packing onto {Layout(tuple(grown)).format(self.letters)} before step {g['step']}", flush=True)
 
     # ---- before a step -------------------------------------------------------------------
     def _before_step(self, step: int) -> list[dict]:
