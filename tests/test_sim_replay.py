@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from itertools import combinations
 
@@ -524,3 +525,22 @@ def test_bad_link_delay_and_profile_steps():
         replay(t, 3, 1, ["uniform"], ReplayOptions(link_delay=[0.1, -1.0]))
     with pytest.raises(SimInputError, match="profile_steps"):
         replay(t, 3, 1, ["uniform"], ReplayOptions(profile_steps=0))
+
+
+def test_released_workers_come_back_when_the_work_grows_again():
+    """The same shrink, then the work comes back at step 16: the re-packed run takes its workers
+    back (a checkpoint restart, charged `restart_s`) and ends within the re-pack's tolerance of
+    the run that kept them; with a restart that cannot repay, it stays packed."""
+    costs = np.ones((40, 12)) * 0.01
+    costs[3:16, 2:] *= 0.05
+    costs[3:16, 1] *= 3
+    t = make_trace(costs, dynamism=(3, 16))
+    opts = ReplayOptions(balance=replay_balance(when="dynamism", repack_tolerance=0.05, horizon=20), restart_s=0.05,
+                         **FREE)
+    plain, packed = replay(t, 4, 2, ["optimal", "optimal+repack"], opts)
+    assert min(packed.workers) < 8 and packed.workers[-1] == 8 and packed.restarts == 1
+    assert packed.bottleneck_s[-1] <= plain.bottleneck_s[-1] * 1.05 + 1e-12
+    grew = packed.workers.index(8, packed.workers.index(min(packed.workers)))
+    assert packed.overhead_s[grew] >= 0.05  # the restart is charged on the step it happens
+    (stuck,) = replay(t, 4, 2, ["optimal+repack"], dataclasses.replace(opts, restart_s=1e6))
+    assert stuck.restarts == 0 and stuck.workers[-1] < 8

@@ -84,9 +84,9 @@ and on each observed step (`scoring`), and the migration cost model (`migration`
 every step compares with.
 """
 
-from dynmo.controller.core import CONFIRM, JUDGE, Controller, Decision
+from dynmo.controller.core import CONFIRM, JUDGE, RESTART_S, Controller, Decision
 from dynmo.controller.migration import MIGRATION_BANDWIDTH, MIGRATION_FIXED_S
 from dynmo.controller.steptime import retune_microbatches, step_time
 
-__all__ = ["CONFIRM", "JUDGE", "MIGRATION_BANDWIDTH", "MIGRATION_FIXED_S", "Controller", "Decision",
+__all__ = ["CONFIRM", "JUDGE", "MIGRATION_BANDWIDTH", "MIGRATION_FIXED_S", "RESTART_S", "Controller", "Decision",
            "retune_microbatches", "step_time"]

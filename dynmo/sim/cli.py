@@ -34,7 +34,7 @@ from dynmo.balance import BalanceError
 from dynmo.balance.cli import MAX_LAYER_STAGES
 from dynmo.balance.static import check_deepspeed_size
 from dynmo.config import BalanceConfig, ConfigError
-from dynmo.controller import MIGRATION_BANDWIDTH, MIGRATION_FIXED_S
+from dynmo.controller import MIGRATION_BANDWIDTH, MIGRATION_FIXED_S, RESTART_S
 from dynmo.engine import ALLREDUCE_MODES, P2P_MODES, SCHEDULES, ScheduleError, SimInputError, canonical_name, simulate
 from dynmo.jsonio import (
     ArgumentParser, InputError, NonFiniteError, choice, dumps, fail, integer, number, parse_args,
@@ -112,6 +112,8 @@ def _parser() -> ArgumentParser:
                    help=f"migration bytes/s (default {MIGRATION_BANDWIDTH:g})")
     r.add_argument("--mig-fixed", type=float, default=MIGRATION_FIXED_S,
                    help=f"fixed seconds per migration (default {MIGRATION_FIXED_S})")
+    r.add_argument("--restart-s", type=float, default=RESTART_S,
+                   help=f"+repack: seconds of the checkpoint restart that takes released workers back (default {RESTART_S:g})")
     r.add_argument("--no-decide-time", action="store_true", help="do not charge the controller's decide time")
     r.add_argument("--comm", type=float, default=0.0, help="seconds per stage-to-stage transfer (default 0)")
     r.add_argument("--link-delay", metavar="S[,S...]",
@@ -313,6 +315,7 @@ def _check_replay_args(args: argparse.Namespace) -> list[str] | None:
     number("--repack-tolerance", args.repack_tolerance)
     number("--mig-bandwidth", args.mig_bandwidth, positive=True, allow_inf=True)
     number("--mig-fixed", args.mig_fixed)
+    number("--restart-s", args.restart_s)
     number("--comm", args.comm)
     choice("--links", args.links, ("measure", "free"))
     if args.profile_steps is not None:
@@ -387,7 +390,7 @@ def _replay_main(args: argparse.Namespace) -> int:
     opts = ReplayOptions(
         schedule=args.schedule, microbatches=args.microbatches, stages_per_rank=args.stages_per_rank,
         balance=balance, migration_bandwidth=args.mig_bandwidth,
-        migration_fixed_s=args.mig_fixed, charge_decide=not args.no_decide_time, comm=args.comm,
+        migration_fixed_s=args.mig_fixed, restart_s=args.restart_s, charge_decide=not args.no_decide_time, comm=args.comm,
         op_overhead=args.op_overhead,
         p2p=args.p2p or "eager", allreduce_bandwidth=args.allreduce_bandwidth,
         allreduce_latency=args.allreduce_latency, shard=args.shard, initial=args.start,

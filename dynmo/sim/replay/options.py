@@ -9,7 +9,7 @@ import numpy as np
 
 from dynmo.balance import BALANCERS
 from dynmo.config import BalanceConfig, ConfigError, ParallelConfig
-from dynmo.controller import MIGRATION_BANDWIDTH, MIGRATION_FIXED_S
+from dynmo.controller import MIGRATION_BANDWIDTH, MIGRATION_FIXED_S, RESTART_S
 from dynmo.engine import SimInputError, canonical_name, default_stages_per_rank
 from dynmo.loop import check_balance
 from dynmo.sim.trace import Trace
@@ -72,6 +72,8 @@ class ReplayOptions:
     # migration cost: seconds = fixed + bytes / bandwidth (and the controller's prior)
     migration_bandwidth: float = MIGRATION_BANDWIDTH  # bytes/s
     migration_fixed_s: float = MIGRATION_FIXED_S
+    # growing back after a re-pack is a checkpoint restart: its seconds (and the controller's prior)
+    restart_s: float = RESTART_S
     charge_decide: bool = True  # add the measured time of the controller's decisions
     # communication
     comm: float = 0.0  # seconds per activation / gradient transfer between stages

@@ -226,6 +226,7 @@ def run_dynamic(trace: Trace, runner: Runner, stages: int, balancer: str, do_rep
                      layer_bytes=runner.prior_bytes,
                      transfer=links, transfer_back=links,
                      migration_fixed_s=opts.migration_fixed_s, migration_bandwidth=opts.migration_bandwidth)
+    loop.controller.restart_s = opts.restart_s
     layout = static_layout(start_layout_name(opts.initial), trace, stages, runner)
     m = runner.m
     n_steps = len(trace.steps)
@@ -236,7 +237,18 @@ def run_dynamic(trace: Trace, runner: Runner, stages: int, balancer: str, do_rep
         decide_s = time.perf_counter() - t0 if opts.charge_decide else 0.0
         overhead = decide_s
         events = [e for e in st.events if e.get("type") == "dynamism"]  # the traced run's own migrations do not apply
-        if decision is not None and decision.layout != layout:
+        if decision is not None and decision.layout != layout and decision.layout.num_stages > layout.num_stages:
+            # growing back: a checkpoint restart onto every worker, the layers read from it
+            new = decision.layout
+            res.migrations += 1
+            res.restarts += 1
+            res.migration_s += opts.restart_s
+            overhead += opts.restart_s
+            events.append({"type": "grow", "restart_s": opts.restart_s})
+            layout = new
+            loop.applied(runner.m)
+            m = runner.m
+        elif decision is not None and decision.layout != layout:
             new = decision.layout
             # a re-pack keeps pipeline positions 0..k-1 (as the runtime), so compare owners directly
             moved, nbytes = moved_bytes(layout, new, list(range(new.num_stages)), lbytes)

@@ -32,7 +32,8 @@ class PolicyResult:
     workers: list[int] = field(default_factory=list)  # pipeline ranks x dp per step
     overhead_s: list[float] = field(default_factory=list)  # migration + decide before each step
     microbatches: list[int] = field(default_factory=list)  # per step (changes only by re-tuning)
-    migrations: int = 0
+    migrations: int = 0  # layer moves and restarts
+    restarts: int = 0  # of them, checkpoint restarts that took released workers back
     layers_moved: int = 0
     migration_s: float = 0.0
     decide_s: float = 0.0
@@ -114,7 +115,7 @@ class PolicyResult:
             "worker_s": self.worker_s, "tokens_per_s_per_worker": self.tokens_per_s_per_worker,
             "steps_per_worker_s": self.steps_per_worker_s, "mean_bubble": self.mean_bubble,
             "workers_mean": self.workers_mean, "workers_final": self.workers_final,
-            "migrations": self.migrations, "layers_moved": self.layers_moved, "migration_s": self.migration_s,
+            "migrations": self.migrations, "restarts": self.restarts, "layers_moved": self.layers_moved, "migration_s": self.migration_s,
             "decide_s": self.decide_s, "mean_bottleneck_s": float(np.mean(self.bottleneck_s)) if self.bottleneck_s else 0.0,
         }
         if per_step:
