@@ -84,6 +84,7 @@ class DynmoLoop:
                  stages_per_rank: int | None = None,
                  layer_bytes: list[int] | None = None, speeds: list[float] | None = None,
                  transfer: list[float] | None = None, transfer_back: list[float] | None = None,
+                 boundary_bytes: list[int] | None = None,
                  migration_fixed_s: float = MIGRATION_FIXED_S,
                  migration_bandwidth: float = MIGRATION_BANDWIDTH):
         check_balance(cfg)
@@ -93,7 +94,7 @@ class DynmoLoop:
         # what a migration ships per layer: a prior until the first step is measured
         self.layer_bytes = list(layer_bytes) if layer_bytes else [BYTES_PER_PARAM * p for p in self.layer_params]
         self.controller = Controller(cfg, microbatches, schedule, stages_per_rank, speeds=speeds, transfer=transfer,
-                                     transfer_back=transfer_back,
+                                     transfer_back=transfer_back, boundary_bytes=boundary_bytes,
                                      fixed_s=migration_fixed_s, bandwidth=migration_bandwidth)
         self.profile_s = 0.0  # profiler bookkeeping since the last decision
 
@@ -108,6 +109,12 @@ class DynmoLoop:
     @property
     def transfer_back(self) -> list[float] | None:
         return self.controller.transfer_back
+
+    @property
+    def boundary_bytes(self) -> list[int] | None:
+        """Per cut after unit i: the bytes of one microbatch crossing it (a boundary between a
+        block's halves carries the block's carry too); the link times price the smallest."""
+        return self.controller.boundary_bytes
 
     def decide(self, step: int, layout: Layout, steps_left: int) -> Decision | None:
         return self.controller.decide(step, layout, self.layer_bytes, steps_left)
@@ -141,6 +148,7 @@ class DynmoLoop:
             "speeds": ctl.speeds,
             "transfer_s": ctl.transfer,
             "transfer_back_s": ctl.transfer_back,
+            "boundary_bytes": ctl.boundary_bytes,
         } | ({"best_step_s": decision.best_step_s, "repack_tolerance": self.cfg.repack_tolerance}
              if decision.reason == "repack" else {})
 

@@ -15,12 +15,12 @@ from typing import Any, Callable, Mapping
 
 from .diffusion import diffusion, diffusion_contiguous
 from .optimal import optimal
-from .problem import EPS, BalanceError, Problem
+from .problem import EPS, BalanceError, Problem, cut_factors
 from .repack import repack_firstfit, repack_optimal
 from .result import Result, make_result
 from .static import deepspeed, uniform
 
-__all__ = ["BALANCERS", "REPACKERS", "BalanceError", "Problem", "Result", "balance", "repack", "EPS"]
+__all__ = ["BALANCERS", "REPACKERS", "BalanceError", "Problem", "Result", "balance", "cut_factors", "repack", "EPS"]
 
 # name -> (function(problem) -> boundaries or per-layer stages, returns a contiguous layout?)
 BALANCERS: dict[str, tuple[Callable[[Problem], list[int]], bool]] = {

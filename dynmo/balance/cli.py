@@ -1,7 +1,7 @@
 """`dynmo balance --input problem.json [--balancer NAME] [--repack] [--tolerance X]`
 
 Reads a problem (keys: costs, stages; optional memory, capacity, speeds, transfer, transfer_back,
-current)
+current, cut_factor)
 and prints one JSON object: balancer, boundaries, stage_loads, bottleneck, imbalance, moves,
 released, seconds (and workers, stage_memory, contiguous). Bad input (including a problem
 beyond the limits below, or an infeasible one): one line `dynmo balance: error: ...` on
@@ -31,6 +31,8 @@ PROG = "dynmo balance"
 MAX_LAYERS = 100_000
 MAX_STAGES = 4_096
 MAX_LAYER_STAGES = 50_000_000  # layers x stages
+# with cut_factor optimal's dynamic programs read up to layers^2 x stages cells (cuts.py): ~30 s
+MAX_CUT_CELLS = 1_000_000_000
 
 
 def _parser() -> ArgumentParser:
@@ -60,6 +62,9 @@ def check_size(data: Any, balancer: str) -> None:
     if n is not None and n * p > MAX_LAYER_STAGES:
         raise InputError(f"{n} layers x {p} stages = {n * p} is over the limit MAX_LAYER_STAGES = "
                          f"{MAX_LAYER_STAGES}; use fewer stages or merge layers")
+    if n is not None and data.get("cut_factor") is not None and n * n * p > MAX_CUT_CELLS:
+        raise InputError(f"{n} layers^2 x {p} stages = {n * n * p} with cut_factor is over the limit "
+                         f"MAX_CUT_CELLS = {MAX_CUT_CELLS}; use fewer stages or merge layers")
     if n is not None and balancer == "deepspeed":
         check_deepspeed_size(n, p)
 

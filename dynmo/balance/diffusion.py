@@ -16,6 +16,9 @@ the layout contiguous: only the first or last layer of a stage may move, and onl
 neighbouring stage. Each round sweeps the p-1 boundaries and shifts a boundary by one layer
 when that lowers the variance and the receiver's memory fits. A local search: it stops in
 local minima and is not optimal in general.
+
+Both read the loads of the problem's load model; with cut factors (`Problem.cut_factor`) a
+stage's link time follows its cuts, as `Problem.loads_of_assignment` charges them.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def diffusion(problem: Problem, max_iters: int = 1000) -> list[int]:
     for h in heaps:
         heapq.heapify(h)
     mslack = EPS * max(float(m.sum()), 1.0)
-    loads = sums / s + t
+    loads = sums / s + t if problem.r is None else np.asarray(problem.loads_of_assignment(owner))
     for _ in range(max_iters):
         var = float(loads.var())
         avg = float(loads.mean())
@@ -56,9 +59,14 @@ def diffusion(problem: Problem, max_iters: int = 1000) -> list[int]:
             ci, i = heaps[src][0]
             if mem[dst] + m[i] > cap[dst] + mslack:
                 continue
-            new = loads.copy()
-            new[src] = (sums[src] - ci) / s[src] + t[src]
-            new[dst] = (sums[dst] + ci) / s[dst] + t[dst]
+            if problem.r is None:
+                new = loads.copy()
+                new[src] = (sums[src] - ci) / s[src] + t[src]
+                new[dst] = (sums[dst] + ci) / s[dst] + t[dst]
+            else:  # the layer may have been the first of src or become the first of dst: cuts move
+                moved = owner.copy()
+                moved[i] = dst
+                new = np.asarray(problem.loads_of_assignment(moved))
             new_var = float(new.var())
             if new_var < var:
                 heapq.heappop(heaps[src])
@@ -86,9 +94,16 @@ def diffusion_contiguous(problem: Problem, max_iters: int = 1000) -> list[int]:
     Mm = np.concatenate(([0.0], np.cumsum(m))).tolist()
     mslack = EPS * max(Mm[-1], 1.0)
     sl, tl, capl = s.tolist(), t.tolist(), cap.tolist()
+    if problem.r is not None:
+        rl = problem.r.tolist()
+        fl = problem.tf.tolist() + [0.0]  # stage j's activation send
+        gl = [0.0] + problem.tb.tolist()  # stage j's gradient send
 
-    def load(j: int, a: int, e: int) -> float:
-        return (P[e] - P[a]) / sl[j] + tl[j]
+        def load(j: int, a: int, e: int) -> float:
+            return (P[e] - P[a]) / sl[j] + (fl[j] * rl[e] + gl[j] * rl[a])
+    else:
+        def load(j: int, a: int, e: int) -> float:
+            return (P[e] - P[a]) / sl[j] + tl[j]
 
     loads = [load(j, b[j], b[j + 1]) for j in range(p)]
     tot = sum(loads)

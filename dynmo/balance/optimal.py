@@ -38,6 +38,12 @@ path off (the tests compare both).
 Fewest moves (moves.py). Among the layouts with bottleneck <= B*, one that moves the fewest
 layers; it chooses boundaries from F_k = R_k ∩ Q_k, the positions reachable from both ends
 (`forward`, `backward`, or `_homogeneous_fsets` for identical stages).
+
+Cut factors (cuts.py). When a link's time depends on where its cut falls (`Problem.cut_factor`,
+a boundary between a block's halves shipping more), the fit tests are no longer monotone and
+`optimal`, `optimal_with` and `bottleneck_and_tolerance` hand the problem to `CutSolver`'s
+dynamic programs, bounded by the layout this solver finds for the problem without the factors
+(`cut_solver`); without factors nothing here changes.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .cuts import CutSolver
 from .identical import IdenticalStages
 from .moves import Intervals, fewest_moves
 from .prefix import PrefixSums
@@ -276,6 +283,14 @@ def optimal(problem: Problem, *, _general: bool = False) -> list[int]:
 
     `_general=True` (tests only) skips the identical-stage fast path.
     """
+    if problem.r is not None:
+        cs = cut_solver(problem)
+        B, best = cs.min_bottleneck()
+        cur = problem.current_layout.boundaries
+        if cs.fits(cur, B):
+            return list(cur)
+        out = cs.fewest_moves(B, [(cur[j], cur[j + 1]) for j in range(problem.stages)])
+        return best if out is None else out
     sol = Solver(problem, general=_general)
     B, best, _ = sol.min_bottleneck()
     cur = problem.current_layout.boundaries
@@ -288,10 +303,33 @@ def optimal(problem: Problem, *, _general: bool = False) -> list[int]:
 
 def optimal_with(problem: Problem, ranges: Sequence[tuple[int, int]]) -> tuple[list[int], float]:
     """Like `optimal` with explicit current ranges per stage (re-packing); also returns B*."""
+    if problem.r is not None:
+        cs = cut_solver(problem)
+        B, best = cs.min_bottleneck()
+        out = cs.fewest_moves(B, ranges)
+        return (best if out is None else out), B
     sol = Solver(problem)
     B, best, _ = sol.min_bottleneck()
     out = fewest_moves(sol, B, ranges)
     return (best if out is None else out), B
+
+
+def bottleneck_and_tolerance(problem: Problem) -> tuple[float, float]:
+    """(B*, the solver's load tolerance) of `problem`, with or without cut factors."""
+    if problem.r is not None:
+        cs = cut_solver(problem)
+        return cs.min_bottleneck()[0], cs.btol
+    sol = Solver(problem)
+    return sol.min_bottleneck()[0], sol.btol
+
+
+def cut_solver(problem: Problem) -> CutSolver:
+    """The exact solver of a problem with cut factors (cuts.py), its windows bounded by the
+    better of the current layout and this solver's layout for the same problem without the
+    factors (whose links cost as a cut between blocks). BalanceError when no layout fits the
+    memory caps (the factors do not change which do)."""
+    _, plain, _ = Solver(problem).min_bottleneck()  # raises, naming the tightest memory constraint
+    return CutSolver(problem, [plain, problem.current_layout.boundaries])
 
 
 def max_load_ok(sol: Solver, bnd: Sequence[int], B: float) -> bool:

@@ -10,9 +10,20 @@ where s_j is the speed of the worker running stage j (1 when workers are equal),
 (0 for the last stage) and b_j (`transfer_back`) the time stage j+1 spends sending its
 gradient back to stage j (b_(-1) = 0). Each direction is charged to the stage that sends,
 because in 1F1B-style schedules a send sits on the sender's critical path: a slow link in
-both directions weighs on both of its ends. Neither depends on where the boundary is
-(transformer blocks all emit activations of the same shape), so t_j shifts stage j's load by
-a constant. Without `transfer_back`, `transfer` is the whole round trip charged to the sender.
+both directions weighs on both of its ends. Without `transfer_back`, `transfer` is the whole
+round trip charged to the sender.
+
+Where the cut sits. By default neither time depends on where the boundary is (whole blocks all
+emit activations of the same shape), so t_j shifts stage j's load by a constant. A boundary
+between a block's two halves ships more (the block's carry beside the hidden state and the
+mask): `cut_factor[i]` is the bytes crossing the cut after layer i over the bytes `transfer`
+prices, and a link carries f_j x r(b_(j+1)) forward and b_j x r(b_(j+1)) back, b_(j+1) being
+the first layer of stage j+1 (r(b) = cut_factor[b - 1]):
+
+    t_j = f_j x r(b_(j+1)) + b_(j-1) x r(b_j)
+
+which depends on the layout, so the exact solver for it is another (cuts.py). Factors that are
+all 1, or links that cost nothing, leave the problem as it is without them, bit for bit.
 
 Memory: stage j may hold layers whose memory m_i sums to at most capacity M_j.
 """
@@ -48,6 +59,7 @@ class Problem:
     transfer: float | Sequence[float] | None = None
     transfer_back: float | Sequence[float] | None = None
     current: Sequence[int] | None = None
+    cut_factor: Sequence[float] | None = None  # per cut after layer i (n - 1): its bytes over transfer's
     # normalized numpy views, filled by __post_init__
     c: np.ndarray = field(init=False, repr=False, compare=False)
     m: np.ndarray = field(init=False, repr=False, compare=False)
@@ -56,6 +68,9 @@ class Problem:
     t: np.ndarray = field(init=False, repr=False, compare=False)
     tf: np.ndarray = field(init=False, repr=False, compare=False)  # per link: forward transfer
     tb: np.ndarray = field(init=False, repr=False, compare=False)  # per link: backward transfer
+    # per boundary position b = 0..n: the factor of a cut there (r[0] = r[n] = 1, never read);
+    # None when every cut costs the same (no factors, all 1, or links that cost nothing)
+    r: np.ndarray | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         p = self.stages
@@ -101,10 +116,17 @@ class Problem:
                     f"{cur.num_layers} layers; the problem has {p} stages over {n} layers"
                 )
             object.__setattr__(self, "current", list(cur.boundaries))
-        _check_overflow(c, m, s, t)
+        r = None
+        if self.cut_factor is not None:
+            f = _vector("cut_factor", self.cut_factor, n - 1, allow_zero=True)
+            if p > 1 and (tf.any() or tb.any()) and not bool(np.all(f == 1.0)):
+                r = np.concatenate(([1.0], f, [1.0]))
+                r.setflags(write=False)
+        _check_overflow(c, m, s, t if r is None else t * float(r.max()))
         for name, v in (("c", c), ("m", m), ("cap", cap), ("s", s), ("t", t), ("tf", tf), ("tb", tb)):
             v.setflags(write=False)
             object.__setattr__(self, name, v)
+        object.__setattr__(self, "r", r)
 
     # ---- derived -------------------------------------------------------------------
     @property
@@ -119,9 +141,29 @@ class Problem:
         return Layout(tuple(self.current))
 
     def loads_of_assignment(self, owner: Sequence[int]) -> list[float]:
-        """Stage loads for any layer -> stage assignment (contiguous or not)."""
-        sums = np.bincount(np.asarray(owner), weights=self.c, minlength=self.stages)
-        return (sums / self.s + self.t).tolist()
+        """Stage loads for any layer -> stage assignment (contiguous or not). With cut factors
+        link j's cut is the first layer of stage j+1 (a layout's boundary b_(j+1); the paper's
+        non-contiguous diffusion has no single cut, and is charged there too)."""
+        own = np.asarray(owner)
+        sums = np.bincount(own, weights=self.c, minlength=self.stages)
+        if self.r is None:
+            return (sums / self.s + self.t).tolist()
+        first = np.full(self.stages, self.num_layers)
+        np.minimum.at(first, own, np.arange(len(own)))
+        return (sums / self.s + self.link_times(first[1:])).tolist()
+
+    def link_times(self, cuts: Sequence[int]) -> np.ndarray:
+        """t_j per stage when link j's cut is at boundary position cuts[j] (the first layer of
+        stage j+1): each link's forward time charged to stage j, its backward time to stage
+        j+1, both x the cut's factor (module docstring)."""
+        p = self.stages
+        if self.r is None or p < 2:
+            return self.t
+        k = self.r[np.asarray(cuts, dtype=np.int64)]
+        t = np.zeros(p)
+        t[: p - 1] += self.tf * k
+        t[1:] += self.tb * k
+        return t
 
     def memory_of_assignment(self, owner: Sequence[int]) -> list[float]:
         return np.bincount(np.asarray(owner), weights=self.m, minlength=self.stages).tolist()
@@ -145,13 +187,15 @@ class Problem:
             speeds=[float(self.s[i]) for i in w],
             transfer=t if t else None,
             transfer_back=tb if tb and any(tb) else None,
+            cut_factor=None if self.r is None else self.r[1:-1].tolist(),
         )
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Problem":
         if not isinstance(d, dict):
             raise BalanceError("problem JSON must be an object with keys costs, stages, ...")
-        known = {"costs", "stages", "memory", "capacity", "speeds", "transfer", "transfer_back", "current"}
+        known = {"costs", "stages", "memory", "capacity", "speeds", "transfer", "transfer_back", "current",
+                 "cut_factor"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise BalanceError(f"unknown problem keys {unknown}; known keys are {sorted(known)}")
@@ -159,6 +203,16 @@ class Problem:
             if key not in d:
                 raise BalanceError(f"problem JSON is missing {key!r}")
         return cls(**{k: d[k] for k in known if k in d and d[k] is not None})
+
+
+def cut_factors(boundary_bytes: Sequence[float] | None) -> list[float] | None:
+    """`Problem.cut_factor` from the bytes of one microbatch crossing each cut (after layer i):
+    each over the smallest, the hidden state and mask of a cut between blocks, which is what a
+    link's measured time prices. None without bytes."""
+    if not boundary_bytes:
+        return None
+    b = _vector("boundary_bytes", boundary_bytes, None, allow_zero=False)
+    return (b / float(b.min())).tolist()
 
 
 def _vector(name: str, values: Any, n: int | None, *, allow_zero: bool) -> np.ndarray:

@@ -23,7 +23,7 @@ import math
 
 import numpy as np
 
-from .optimal import Solver, optimal_with
+from .optimal import bottleneck_and_tolerance, optimal_with
 from .problem import BalanceError, Problem
 from .result import Result, make_result
 
@@ -38,7 +38,7 @@ def _keep_order(problem: Problem) -> list[int]:
 
 def _bottleneck(problem: Problem) -> float:
     try:
-        return Solver(problem).min_bottleneck()[0]
+        return bottleneck_and_tolerance(problem)[0]
     except BalanceError:
         return math.inf
 
@@ -47,8 +47,8 @@ def repack_optimal(problem: Problem, tolerance: float = 0.05) -> Result:
     if not (tolerance >= 0 and math.isfinite(tolerance)):
         raise BalanceError(f"tolerance must be a finite number >= 0, got {tolerance!r}")
     p = problem.stages
-    full = Solver(problem).min_bottleneck()[0]  # raises when even p workers cannot fit
-    limit = full * (1 + tolerance) + Solver(problem).btol
+    full, btol = bottleneck_and_tolerance(problem)  # raises when even p workers cannot fit
+    limit = full * (1 + tolerance) + btol
     order = _keep_order(problem)
 
     def kept(k: int) -> list[int]:

@@ -56,6 +56,7 @@ class Controller(Scoring):
     speeds: list[float] | None = None  # per pipeline position, relative (1 = reference)
     transfer: list[float] | None = None  # per link j: seconds of one microbatch's activations j -> j+1
     transfer_back: list[float] | None = None  # per link j: seconds of its gradient j+1 -> j
+    boundary_bytes: list[int] | None = None  # per cut after unit i: one microbatch's bytes (transfer prices the smallest)
     memory: list[float] | None = None  # per layer: bytes it needs on a worker (state + activations in flight)
     capacity: float | None = None  # bytes per worker; default: cfg.memory_gb (0 = no cap)
     # migration cost model: seconds = fixed_s + bytes / bandwidth, refitted from each migration

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Sequence
 
-from dynmo.balance import Problem
+from dynmo.balance import Problem, cut_factors
 from dynmo.controller import evidence
 from dynmo.controller.steptime import positions_problem
 from dynmo.layout import Layout
@@ -52,7 +52,8 @@ class HistoryTimes:
 class Scoring:
     """The `Controller`'s step-time methods; it supplies `model` (a `StepModel`), `microbatches`,
     `history`, `cache`, and the measured `speeds`, `transfer`, `transfer_back`, `memory`,
-    `capacity`."""
+    `capacity`, `boundary_bytes` (per cut after unit i: one microbatch's bytes; `transfer` prices
+    the smallest, a cut between blocks)."""
 
     def step_s(self, problem: Problem, layout: Layout) -> float:
         """Predicted step time of `layout` under `problem`'s costs: the running schedule, simulated."""
@@ -76,7 +77,8 @@ class Scoring:
     def problem(self, costs: list[float], stages: int, current: Layout | None = None) -> Problem:
         """The balancing problem for the first `stages` pipeline positions."""
         return positions_problem(costs, stages, current, self.speeds, self.transfer, self.transfer_back,
-                                 self.memory if self.capacity else None, self.capacity or None)
+                                 self.memory if self.capacity else None, self.capacity or None,
+                                 cut_factors(self.boundary_bytes))
 
     def per_step_gains(self, current: Layout, new: Layout) -> list[float]:
         """Per observed step: the relative step-time saving of `new` over `current` (oldest first)."""
@@ -88,6 +90,6 @@ class Scoring:
         Each (step, layout) pair is simulated once while the step stays in the history; the
         missing ones are simulated together."""
         key = tuple(tuple(x) if x is not None else None
-                    for x in (self.speeds, self.transfer, self.transfer_back)) + (self.microbatches,)
+                    for x in (self.speeds, self.transfer, self.transfer_back, self.boundary_bytes)) + (self.microbatches,)
         return self.cache.times(self.history, layouts, key, self._steps_under)
 

@@ -5,7 +5,9 @@ parts, sums them per stage (divided by the stage's worker speed), and runs one i
 the running schedule through the simulator's model (`dynmo.engine.batched`: the event-driven
 engine's numbers, validated against real runs, for many layouts or steps in one pass). Link times are charged to the stage that sends, as in the
 balancers' load model: a send occupies its sender (the activation's on the forward, the
-gradient's on the backward). The controller's decisions, its
+gradient's on the backward), and a cut that ships more than the hidden state and the mask (a
+boundary between a block's halves) costs its link its factor times more (`Problem.cut_factor`,
+from the runtime's per-cut bytes). The controller's decisions, its
 re-packing tolerance, the replay's oracle and the benchmark all compare layouts in it.
 
 Above `MAX_SIM_OPS` ops (stages x microbatches x 2) one simulation costs seconds; there the
@@ -124,17 +126,23 @@ class StepModel:
         wgrad = np.minimum(np.add.reduceat(c * w_share, starts) / speed, bwd)
         S = layout.num_stages
         if S > 1:
-            fwd[:-1] += np.asarray(problem.tf, dtype=float)[: S - 1]
-            bwd[1:] += np.asarray(problem.tb, dtype=float)[: S - 1]
+            tf = np.asarray(problem.tf, dtype=float)[: S - 1]
+            tb = np.asarray(problem.tb, dtype=float)[: S - 1]
+            if problem.r is not None:  # each link's time x its cut's factor
+                k = problem.r[np.asarray(layout.boundaries[1:-1])]
+                tf, tb = tf * k, tb * k
+            fwd[:-1] += tf
+            bwd[1:] += tb
         none = np.zeros(max(S - 1, 0))
         return fwd, bwd, wgrad, none, none
 
 
 def positions_problem(costs: list[float], stages: int, current: Layout | None, speeds: list[float] | None,
                       transfer: list[float] | None, transfer_back: list[float] | None, memory: list[float] | None,
-                      capacity: float | None) -> Problem:
+                      capacity: float | None, cut_factor: list[float] | None = None) -> Problem:
     """The balancing problem of per-layer `costs` on the first `stages` pipeline positions (a
-    re-pack keeps positions 0..stages-1): their worker speeds and the links between them."""
+    re-pack keeps positions 0..stages-1): their worker speeds and the links between them, each
+    link's time x the factor of the cut on it (`cut_factor`, per cut after layer i; None: 1)."""
     return Problem(
         costs=costs,
         stages=stages,
@@ -144,6 +152,7 @@ def positions_problem(costs: list[float], stages: int, current: Layout | None, s
         transfer=transfer[: stages - 1] if transfer and stages > 1 else None,
         transfer_back=transfer_back[: stages - 1] if transfer_back and stages > 1 else None,
         current=list(current.boundaries) if current is not None else None,
+        cut_factor=cut_factor,
     )
 
 
