@@ -91,9 +91,11 @@ class Trainer:
                 self.relayouts[self.start_step] = Layout(tuple(grown))
         self.growing: dict | None = None  # a grow decided before this step: checkpoint, then the run ends
         speeds, transfer, transfer_back = self._measure_workers()
+        # what one microbatch ships over each cut: the link times price a cut between blocks
+        self.boundary_bytes = probe.boundary_bytes(cfg, self.pipe.microbatch, self.pipe.dtype.itemsize)
         self.loop = DynmoLoop(cfg.balance, microbatches=self.pipe.microbatches, schedule=cfg.parallel.schedule,
                               stages_per_rank=cfg.parallel.virtual_stages, layer_params=self.params, speeds=speeds,
-                              transfer=transfer, transfer_back=transfer_back,
+                              transfer=transfer, transfer_back=transfer_back, boundary_bytes=self.boundary_bytes,
                               layer_bytes=[int(bytes_per_param(cfg.parallel.shard, cfg.parallel.dp) * n) for n in self.params])
         if self.saved_costs and cfg.balance.cost == "time":
             self.loop.controller.history.append(list(self.saved_costs))  # the starting forecast
@@ -224,7 +226,8 @@ class Trainer:
             if cfg.log.trace:
                 from dynmo.sim.trace import TraceHeader, TraceWriter
 
-                trace = TraceWriter(cfg.log.trace, TraceHeader.from_config(cfg.to_dict(), self.params, ctx.pp, ctx.dp))
+                trace = TraceWriter(cfg.log.trace, TraceHeader.from_config(cfg.to_dict(), self.params, ctx.pp, ctx.dp,
+                                                                           boundary_bytes=self.boundary_bytes))
         t_start = time.perf_counter()
         records: list[StepRecord] = []
         for step in range(self.start_step, cfg.train.steps):

@@ -1,27 +1,38 @@
 """The bytes that cross each cut: a boundary between a block's halves ships the block's carry
-beside the hidden state and the mask, and the balancers and the controller charge each
-layout's cuts for it."""
+beside the hidden state and the mask, and the balancers, the controller, the traces and the
+replay charge each layout's cuts for it."""
 
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import re
 from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dynmo.balance import BALANCERS, EPS, BalanceError, Problem, balance, cut_factors, repack
 from dynmo.balance.cuts import CutSolver
-from dynmo.config import BalanceConfig
+from dynmo.config import BalanceConfig, Config, apply_dict
 from dynmo.controller import Controller
 from dynmo.controller.steptime import StepModel
 from dynmo.layout import Layout
 from dynmo.loop import DynmoLoop
+from dynmo.model.layers import half_carry, layer_specs
 from dynmo.record import StepRecord
+from dynmo.runtime.probe import boundary_bytes, edge_bytes
+from dynmo.runtime.stage import example_io
+from dynmo.sim.replay import ReplayOptions, replay
+from dynmo.sim.replay.runner import Runner
+from dynmo.sim.trace import Trace, TraceError, TraceHeader, TraceStep, load_trace, merge_units, scale_trace
+from dynmo.sim.trace.from_metrics import recorded_boundary_bytes
+
+from tests.conftest import metrics, run_train
 
 MB, SEQ, D, ELEM = 2, 32, 64, 4
 EDGE = MB * SEQ * (D + 1) * ELEM  # hidden state [mb, seq, d] + mask [mb, seq], fp32
@@ -220,3 +231,158 @@ def test_the_controller_prices_the_runtimes_cut_bytes_and_the_event_records_them
     d = loop.decide(1, Layout((0, 4, 8)), 100)
     assert d is not None and d.layout.boundaries in ((0, 3, 8), (0, 5, 8))
     assert loop.event(d, 0.0)["boundary_bytes"] == sublayer_bytes(3)
+
+
+# ---- the runtime ---------------------------------------------------------------------------
+
+def config(**sections) -> Config:
+    cfg = Config()
+    apply_dict(cfg, {"model": {"n_layers": 3, "d_model": D, "n_heads": 2, "seq_len": SEQ, "vocab_size": 128}} | sections)
+    return cfg
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sections", [
+    {},
+    {"parallel": {"unit": "sublayer"}},
+    {"parallel": {"unit": "sublayer"}, "early_exit": {"enabled": True}},
+    {"parallel": {"unit": "sublayer"}, "model": {"n_layers": 3, "d_model": D, "n_heads": 2, "seq_len": SEQ,
+                                                 "vocab_size": 128, "block": "mod"}},
+    {"parallel": {"unit": "sublayer"}, "early_exit": {"enabled": True},
+     "model": {"n_layers": 3, "d_model": D, "n_heads": 2, "seq_len": SEQ, "vocab_size": 128, "block": "mod"}},
+], ids=["block", "sublayer", "sublayer+early-exit", "sublayer+mod", "sublayer+mod+early-exit"])
+def test_boundary_bytes_are_what_the_stage_examples_send(sections, dtype):
+    """Per cut, the bytes of the tensors a stage ending there sends (`example_io`): the pure
+    count the controller and the trace get is the pipeline's own."""
+    cfg = config(**sections)
+    specs = layer_specs(cfg.model, cfg.parallel.unit)
+    elem = torch.empty(0, dtype=dtype).element_size()
+    got = boundary_bytes(cfg, MB, elem)
+    want = []
+    for i in range(len(specs) - 1):
+        carry = half_carry(cfg) if specs[i].part == "attn" else ()
+        _, outs = example_io(False, False, MB, SEQ, D, 128, torch.device("cpu"), dtype, carry_out=carry)
+        want.append(sum(t.numel() * t.element_size() for t in outs))
+    assert got == want
+    assert min(got) == edge_bytes(MB, SEQ, D, elem)  # what the link probe prices
+    assert (len(set(got)) > 1) == (cfg.parallel.unit == "sublayer" and bool(half_carry(cfg)))
+
+
+# ---- the trace -----------------------------------------------------------------------------
+
+def trace_config(blocks: int, unit: str = "sublayer") -> dict:
+    return {"model": {"n_layers": blocks, "d_model": D, "seq_len": SEQ, "vocab_size": 64},
+            "train": {"global_batch": 4, "microbatches": 2}, "parallel": {"schedule": "1f1b", "unit": unit}}
+
+
+def sublayer_trace(blocks: int, steps: int = 6, cuts: list[int] | None = None, seed: int = 0) -> Trace:
+    rng = np.random.default_rng(seed)
+    n = 2 * blocks + 2
+    header = TraceHeader.from_config(trace_config(blocks), rng.integers(1, 10_000, n).tolist(), 2, 1,
+                                     boundary_bytes=cuts)
+    steps_ = [TraceStep(k, rng.uniform(0.001, 0.01, n).tolist(), rng.uniform(0.002, 0.02, n).tolist())
+              for k in range(steps)]
+    return Trace(header, steps_)
+
+
+def test_the_header_keeps_boundary_bytes_through_a_file(tmp_path):
+    t = sublayer_trace(3, cuts=sublayer_bytes(3))
+    t.write(tmp_path / "t.jsonl")
+    first = json.loads((tmp_path / "t.jsonl").read_text().splitlines()[0])
+    assert first["boundary_bytes"] == sublayer_bytes(3)
+    assert load_trace(tmp_path / "t.jsonl").header.boundary_bytes == sublayer_bytes(3)
+    old = sublayer_trace(3)  # a trace without the field writes none and reads as before
+    old.write(tmp_path / "old.jsonl")
+    assert "boundary_bytes" not in json.loads((tmp_path / "old.jsonl").read_text().splitlines()[0])
+    assert load_trace(tmp_path / "old.jsonl").header == old.header
+
+
+@pytest.mark.parametrize("bad,message", [
+    ([EDGE] * 3, "boundary_bytes must be a list of 7 integers"),
+    ([EDGE, 0] + [EDGE] * 5, r"boundary_bytes\[1\] = 0"),
+    ([EDGE, 1.5] + [EDGE] * 5, r"boundary_bytes\[1\] = 1.5"),
+    ("many", "boundary_bytes must be a list"),
+])
+def test_bad_boundary_bytes_say_what_is_wrong(tmp_path, bad, message):
+    d = sublayer_trace(3).header.as_dict() | {"boundary_bytes": bad}
+    with pytest.raises(TraceError, match=message):
+        TraceHeader.from_dict(d)
+    with pytest.raises(TraceError, match=message):
+        TraceHeader.from_config(trace_config(3), [1] * 8, 2, 1, boundary_bytes=bad if isinstance(bad, list) else [bad])
+
+
+def test_scaling_maps_each_cut_to_its_source_and_merging_drops_the_cuts_inside_blocks():
+    cuts = [EDGE, HALVES, EDGE + 1, HALVES + 2, EDGE + 3, HALVES + 4, EDGE + 5]  # distinct, to follow each
+    t = sublayer_trace(3, cuts=cuts)
+    big = scale_trace(t, 6)
+    # new block j comes from block j // 2: its attention cut and its MLP cut are the source's
+    assert big.header.boundary_bytes == [cuts[0]] + [cuts[1 + 2 * (j // 2) + h] for j in range(6) for h in (0, 1)]
+    big.header.check()
+    m = merge_units(t)
+    assert m.header.boundary_bytes == [EDGE, EDGE + 1, EDGE + 3, EDGE + 5]  # after E and after each MLP half
+    m.header.check()
+    assert merge_units(big).header.boundary_bytes == [EDGE] + [cuts[2 + 2 * (j // 2)] for j in range(6)]
+    assert scale_trace(sublayer_trace(3), 6).header.boundary_bytes is None
+    assert merge_units(sublayer_trace(3)).header.boundary_bytes is None
+
+
+def test_a_converted_run_takes_the_bytes_its_controller_priced():
+    steps = [TraceStep(0, [0.0] * 4, [0.0] * 4, events=[{"type": "dynamism"}]),
+             TraceStep(1, [0.0] * 4, [0.0] * 4, events=[{"type": "migration", "boundary_bytes": [5, 9, 5]}])]
+    assert recorded_boundary_bytes(steps, 4) == [5, 9, 5]
+    assert recorded_boundary_bytes(steps, 5) is None  # another model's
+    assert recorded_boundary_bytes(steps[:1], 4) is None
+
+
+# ---- the replay ----------------------------------------------------------------------------
+
+def test_the_replay_charges_each_layouts_cuts_their_bytes():
+    cuts = sublayer_bytes(3)
+    t = sublayer_trace(3, cuts=cuts)
+    old = sublayer_trace(3)
+    opts = ReplayOptions(comm=0.004)
+    rho = HALVES / EDGE
+    r_cuts, r_old = Runner(t, 1, opts, 2), Runner(old, 1, opts, 2)
+    inside, edge = Layout((0, 4, 8)), Layout((0, 3, 8))
+    assert r_cuts.cut_factor == cut_factors(cuts)
+    assert r_old.cut_factor is None
+    # a cut between blocks ships what the probe priced; one between halves rho times that
+    assert r_cuts.iteration_s(0, edge) == r_old.iteration_s(0, edge)
+    assert r_cuts.iteration_s(0, inside) > r_old.iteration_s(0, inside)
+    by_hand = Runner(old, 1, replace(opts, comm=0.004 * rho), 2)
+    assert r_cuts.iteration_s(0, inside) == by_hand.iteration_s(0, inside)
+    # a link delay is a wait before each send: the same at every cut
+    d = replace(opts, link_delay=[0.01])
+    assert Runner(t, 1, d, 2).iteration_s(0, inside) - r_cuts.iteration_s(0, inside) == pytest.approx(
+        Runner(old, 1, d, 2).iteration_s(0, inside) - r_old.iteration_s(0, inside), rel=1e-9, abs=1e-12)
+
+
+def test_a_trace_without_boundary_bytes_or_with_equal_ones_replays_as_before():
+    old = sublayer_trace(3, steps=8)
+    same = sublayer_trace(3, steps=8, cuts=[EDGE] * 7)
+    opts = ReplayOptions(comm=0.004, charge_decide=False)
+    policies = ["uniform", "profile-once", "optimal", "oracle"]
+    for a, b in zip(replay(old, 2, 1, policies, opts), replay(same, 2, 1, policies, opts)):
+        assert (a.policy, a.iteration_s, a.layouts) == (b.policy, b.iteration_s, b.layouts)
+
+
+# ---- one real run --------------------------------------------------------------------------
+
+@pytest.mark.dist
+def test_a_sublayer_early_exit_run_records_its_cut_bytes(tmp_path):
+    """The launcher's run (7 to 19 s here): the trace header and the controller's migration
+    events carry the bytes it priced, the pipeline's own (hidden state and mask, and the block
+    input after an attention half); a converted run folder gets them back from the events.
+    Injected costs, heavy on the first stage, make the controller move whatever this machine's
+    speed."""
+    out = tmp_path / "run"
+    run_train(out, "--steps", "3", "--parallel.unit", "sublayer", "--early_exit.enabled", "true",
+              "--balance.when", "every", "--balance.every", "1", "--log.trace", str(out / "t.jsonl"),
+              env={"DYNMO_COSTS": "0:1,9,9,9,9,1,1,1,1,1"})
+    want = [EDGE] + [HALVES, EDGE] * 4  # the tiny model: 4 blocks, d_model 64, seq 32, 2 sequences a microbatch
+    assert load_trace(out / "t.jsonl").header.boundary_bytes == want
+    events = [e for r in metrics(out) for e in r["events"] if e["type"] == "migration"]
+    assert events and all(e["boundary_bytes"] == want for e in events)
+    from dynmo.sim.trace import trace_from_metrics
+
+    assert trace_from_metrics(out).header.boundary_bytes == want

@@ -12,6 +12,9 @@ transfer   each pipeline link j -> j+1 measures its bandwidth with a large ping-
            sender cannot compute meanwhile. The probe's sends go through the same wait as the
            pipeline's, its time is measured on each side and added in full:
            t_j = 2 x bytes / bandwidth + wait forward + wait backward.
+           The bytes are those of a cut between blocks (hidden state and token mask); a cut
+           between a block's two halves also ships the block's carry (`boundary_bytes`, per
+           cut, which the controller turns into each cut's factor on its link's time).
 """
 
 from __future__ import annotations
@@ -22,9 +25,32 @@ import time
 import torch
 import torch.distributed as dist
 
-from dynmo.config import BalanceConfig
+from dynmo.config import BalanceConfig, Config
 from dynmo.dynamics.noise import LINKS
+from dynmo.model.layers import CARRIES, half_carry, layer_specs
 from dynmo.runtime.dist import DistContext
+
+
+def edge_bytes(microbatch: int, seq_len: int, d_model: int, elem_bytes: int) -> int:
+    """Bytes of one microbatch crossing a boundary between blocks: the hidden state
+    [mb, seq, d_model] and the token mask [mb, seq], both in the compute dtype
+    (`dynmo.runtime.stage.example_io`)."""
+    return microbatch * seq_len * (d_model + 1) * elem_bytes
+
+
+def boundary_bytes(cfg: Config, microbatch: int, elem_bytes: int) -> list[int]:
+    """Per cut after unit i (i = 0 .. units - 2): the bytes of one microbatch crossing it. Every
+    boundary ships the hidden state and the mask (`edge_bytes`); one after a block's attention
+    half (`parallel.unit = "sublayer"`) also ships the block's carry (`half_carry`: Mixture of
+    Depths' route and chosen, [mb, seq] each, early exit's block input, [mb, seq, d_model]),
+    each in the compute dtype, as the stage examples send them (the bool ones cast, like the
+    mask). The gradients sent back have the same shapes, so one count serves both directions."""
+    m = cfg.model
+    base = edge_bytes(microbatch, m.seq_len, m.d_model, elem_bytes)
+    carry = sum(microbatch * m.seq_len * (m.d_model if CARRIES[name].per_feature else 1) * elem_bytes
+                for name in half_carry(cfg))
+    specs = layer_specs(m, cfg.parallel.unit)
+    return [base + (carry if spec.part == "attn" else 0) for spec in specs[:-1]]
 
 
 def _matmul_seconds(device: torch.device, n: int = 256, reps: int = 8, rounds: int = 5) -> float:
@@ -65,12 +91,13 @@ def measure_links(ctx: DistContext, microbatch: int, seq_len: int, d_model: int,
     overlaps compute, while the bytes occupy the link. Each link ping-pongs a buffer of at
     least `probe_bytes` (to amortise latency) and the cost of a microbatch is its boundary
     bytes (hidden state and token mask, `elem_bytes` per value: `dynmo.runtime.stage.example_io`)
-    at that bandwidth, each way.
+    at that bandwidth, each way: a cut between blocks (`edge_bytes`; a cut between a block's
+    halves ships more, `boundary_bytes`).
     Each send first waits the injected link delay (`LINKS.wait`, as the pipeline's sends do);
     the sender's measured wait is taken out of the round trip before the bandwidth is
     computed and added in full to its direction."""
     pp, me = ctx.pp, ctx.pp_rank
-    act_bytes = microbatch * seq_len * elem_bytes * (d_model + 1)
+    act_bytes = edge_bytes(microbatch, seq_len, d_model, elem_bytes)
     buf = torch.zeros(max(probe_bytes, act_bytes) // 4, device=ctx.device)
     # per link: [round trip (rank j), rank j's wait before its send, rank j+1's wait before its send]
     mine = torch.zeros(3, max(pp - 1, 1), dtype=torch.float64)

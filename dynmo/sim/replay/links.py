@@ -25,6 +25,9 @@ def replay_link_delays(trace: Trace, base_s: float, stages: int | None = None, d
     stage j <-> j+1; default: every link) for each f in `factors`, once with link-aware
     balancing (`balance.links = "measure"`: the controller, profile-once and the oracle see
     each link's time) and once compute-only (`"free"`). `options` gives everything else.
+    The delay is a wait before each send (as the runtime injects it), so it is the same at
+    every cut; `options.comm`, the transfer itself, grows with the bytes of the cut on the link
+    when the trace records them (`boundary_bytes`, `Runner.simulate`).
 
     One row per (factor, links mode, policy): the delay, the policy's total and mean step
     time, its speedups over static uniform and over the best static layout under that delay,

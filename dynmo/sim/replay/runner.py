@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from dynmo.balance import cut_factors
 from dynmo.engine import Plan, SimInputError, StageTimes, build_plan, ring_allgather_time, ring_allreduce_time, simulate_plan
 from dynmo.layout import Layout
 from dynmo.loop import BYTES_PER_PARAM, bytes_per_param
@@ -29,6 +30,12 @@ class Runner:
             if self.delay.shape != (max(stages - 1, 0),):
                 raise SimInputError(f"link_delay needs one value per link between the {stages} stages: "
                                     f"{stages - 1} values, got {self.delay.size}")
+        # per cut after layer i: its bytes over the smallest cut's (a cut between a block's halves
+        # ships the block's carry too), from the trace; None: every cut costs its link the same
+        self.cut_factor = cut_factors(h.boundary_bytes)
+        self._r = None
+        if self.cut_factor is not None and any(f != 1.0 for f in self.cut_factor):
+            self._r = np.concatenate(([1.0], self.cut_factor, [1.0]))
         self.m = int(opts.microbatches or h.microbatches)
         self.fwd, self.bwd, self.wgrad = trace.fwd(), trace.bwd(), trace.wgrad()
         self.costs = self.fwd + self.bwd
@@ -74,7 +81,8 @@ class Runner:
         microbatch and direction, as the runtime's probe measures them -- comm + delay_j,
         charged by the load model to stage j for the activation and to stage j+1 for its
         gradient; 0 where both stages share a rank (the engine hands over for free there).
-        None with `balance.links = "free"` or when every link is free."""
+        None with `balance.links = "free"` or when every link is free. They price a cut between
+        blocks; a cut that ships more costs `cut_factor` times as much (`Problem.cut_factor`)."""
         if self.opts.balance.links == "free" or stages < 2:
             return None
         t = np.full(stages - 1, float(self.opts.comm))
@@ -125,7 +133,10 @@ class Runner:
             d = self.delay[: layout.num_stages - 1]
             f[:-1] += d
             bw[1:] += d
-        times = StageTimes.build(f, bw, m, wgrad=w, comm=self.opts.comm * scale, allreduce=ar, allgather=ag)
+        comm = self.opts.comm * scale
+        if self._r is not None and layout.num_stages > 1 and comm:
+            comm = comm * self._r[b[1:]]  # each link's transfer x the bytes of the cut on it (b[1:]: the cuts)
+        times = StageTimes.build(f, bw, m, wgrad=w, comm=comm, allreduce=ar, allgather=ag)
         plan = self.plan(layout.num_stages, m)
         sim = simulate_plan(plan, times, dp=self.dp, p2p=self.opts.p2p, split_bubble=False)
         return sim, loads, plan

@@ -5,12 +5,14 @@ Pure (stdlib + numpy; no torch). Format (JSON Lines, documented in docs/simulato
     line 1   header: {"format": "dynmo-trace", "version": 1, "layers": [...], "kinds": [...],
                       "params": [...], "layer_bytes": [...], "microbatches", "pp", "dp",
                       "virtual_stages", "schedule", "tokens_per_microbatch", "case",
-                      "config", "source"}
+                      "config", "source", ("boundary_bytes": [...])}
     line 2+  one step: {"step", "fwd": [...], "bwd": [...], ("wgrad": [...]), "layout",
                         "iteration_s", "step_s", "events": [...], ("stats": {...})}
 
 `fwd`/`bwd` are seconds per microbatch per layer (as `layer_fwd_s`/`layer_bwd_s` in
 metrics.jsonl; `bwd` is the full backward, weight gradient included).
+`boundary_bytes` (optional) is one microbatch's bytes crossing each cut between layers: the
+replay charges a cut its link time x its bytes over the smallest cut's.
 
     w = TraceWriter("run.trace.jsonl", TraceHeader.from_config(cfg.to_dict(), params, pp, dp))
     w.write_step(record)      # the run's StepRecord (dynmo.record), every step

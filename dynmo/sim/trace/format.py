@@ -35,13 +35,20 @@ class TraceHeader:
     case: str = "dense"  # dynamic-model case(s): dense, moe, mod, hashattn, skew, prune, ...
     config: dict = field(default_factory=dict)  # summary of the run's config
     source: str = "train"  # train | metrics (converted) | scaled | merged (sublayer units summed into blocks)
+    # per cut after layer i (layers - 1): the bytes of one microbatch crossing it (the hidden state
+    # and mask; a cut between a block's halves adds the block's carry); None: not recorded, every
+    # cut the same
+    boundary_bytes: list[int] | None = None
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
 
     def as_dict(self) -> dict:
-        return {"format": FORMAT, "version": VERSION, **asdict(self)}
+        d = {"format": FORMAT, "version": VERSION, **asdict(self)}
+        if self.boundary_bytes is None:
+            del d["boundary_bytes"]  # a header without it reads as before
+        return d
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "trace header") -> "TraceHeader":
@@ -95,11 +102,15 @@ class TraceHeader:
             raise TraceError(f"{where}: config.model must be a JSON object, got {show(model)}")
         if model.get("seq_len") is not None:
             int_field("config.model.seq_len", model["seq_len"], 0, limits.MAX_COUNT, where)
+        if self.boundary_bytes is not None:
+            check_boundary_bytes(self.boundary_bytes, n, where)
 
     @classmethod
-    def from_config(cls, cfg: dict, params: Iterable[int], pp: int, dp: int, source: str = "train") -> "TraceHeader":
+    def from_config(cls, cfg: dict, params: Iterable[int], pp: int, dp: int, source: str = "train",
+                    boundary_bytes: Iterable[int] | None = None) -> "TraceHeader":
         """Header for a run of config `cfg` (a `Config.to_dict()` or a parsed config.toml), whose
-        pipeline places `parallel.unit` units: `params` has one count per unit."""
+        pipeline places `parallel.unit` units: `params` has one count per unit, `boundary_bytes`
+        (optional, from the runtime, which knows the blocks' carries) one per cut between them."""
         model, train, par = cfg.get("model", {}), cfg.get("train", {}), cfg.get("parallel", {})
         n_blocks = int(model.get("n_layers", 0))
         unit = par.get("unit", "block")
@@ -112,6 +123,9 @@ class TraceHeader:
                 raise TraceError(f"{len(params)} parameter counts for {n} units (E, {n_blocks} blocks as "
                                  "attention and MLP halves, L)")
             raise TraceError(f"{len(params)} parameter counts for {n_blocks + 2} layers (E, {n_blocks} blocks, L)")
+        cuts = None
+        if boundary_bytes is not None:
+            cuts = check_boundary_bytes(list(boundary_bytes), n, "boundary_bytes")
         m = int(train.get("microbatches", 1))
         gb = int(train.get("global_batch", 0))
         tokens = gb // max(1, dp * m) * int(model.get("seq_len", 0)) if gb else None
@@ -129,6 +143,7 @@ class TraceHeader:
             case=case_name(cfg),
             config=config_summary(cfg),
             source=source,
+            boundary_bytes=None if cuts is None else [int(b) for b in cuts],
         )
 
 
@@ -201,6 +216,18 @@ class TraceStep:
             cost=[float(x) for x in rec.layer_cost_s] if rec.layer_cost_s else None,
         )
         return check_step(step, n, where)
+
+
+def check_boundary_bytes(v: Any, n: int, where: str) -> list[int]:
+    """`boundary_bytes`: one integer >= 1 per cut between the n layers."""
+    if not isinstance(v, list) or len(v) != n - 1:
+        got = f"{len(v)} entries" if isinstance(v, list) else show(v)
+        raise TraceError(f"{where}: boundary_bytes must be a list of {n - 1} integers (one per cut between "
+                         f"the {n} layers), got {got}")
+    for i, x in enumerate(v):
+        if not is_int(x) or not 1 <= x <= limits.MAX_COUNT:
+            raise TraceError(f"{where}: boundary_bytes[{i}] = {show(x)}; give integers from 1 to 2^53")
+    return v
 
 
 def check_step(s: TraceStep, n: int, where: str) -> TraceStep:

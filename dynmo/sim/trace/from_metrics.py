@@ -6,7 +6,7 @@ import tomllib
 from pathlib import Path
 from typing import Iterable
 
-from dynmo.jsonio import InputError, loads
+from dynmo.jsonio import InputError, is_int, loads
 from dynmo.record import StepRecord
 from dynmo.sim.trace.costs import Trace
 from dynmo.sim.trace.files import jsonl, small_text
@@ -19,7 +19,9 @@ def trace_from_metrics(run_dir: str | Path, params: Iterable[int] | None = None)
     """Convert a finished (or running) run's `metrics.jsonl` + `config.toml` into a trace.
 
     Parameter counts come from `params` if given, else from the first step's `layer_params`
-    (what the model had when the run started). The same checks and limits as `load_trace`."""
+    (what the model had when the run started); the bytes crossing each cut (`boundary_bytes`)
+    from the first migration event that records what the controller priced, else none. The
+    same checks and limits as `load_trace`."""
     d = Path(run_dir)
     mpath, cpath = d / "metrics.jsonl", d / "config.toml"
     if not mpath.is_file() or not cpath.is_file():
@@ -62,12 +64,24 @@ def trace_from_metrics(run_dir: str | Path, params: Iterable[int] | None = None)
         raise
     except (TypeError, ValueError, AttributeError, OverflowError) as e:
         raise TraceError(f"{cpath}: a value has the wrong type or range for a dynmo config ({e})") from None
+    header.boundary_bytes = recorded_boundary_bytes(steps, header.num_layers)
     header.check(str(cpath))
     n = header.num_layers
     for st in steps:
         if len(st.fwd) != n:
             raise TraceError(f"{mpath} step {st.step}: fwd has {len(st.fwd)} values for {n} layers")
     return Trace(header, steps)
+
+
+def recorded_boundary_bytes(steps: list[TraceStep], n: int) -> list[int] | None:
+    """The per-cut bytes the run's controller priced, as its first migration event that has them
+    records them (one integer >= 1 per cut between the n layers); None when no event does."""
+    for st in steps:
+        for e in st.events:
+            v = e.get("boundary_bytes") if isinstance(e, dict) else None
+            if isinstance(v, list) and len(v) == n - 1 and all(is_int(x) and x >= 1 for x in v):
+                return [int(x) for x in v]
+    return None
 
 
 def run_shape(cfg: dict, rec: StepRecord, summary: dict) -> tuple[int, int]:

@@ -34,6 +34,9 @@ def scale_trace(trace: Trace, blocks: int, *, cost_scale: float = 1.0, params_sc
     not move in lockstep (real MoE blocks route independently). Parameters and migration
     bytes follow the same block map (x params_scale). Layouts of the traced run are dropped
     (they were for another depth); events are kept, so dynamism steps stay where they were.
+    The bytes crossing each cut (`boundary_bytes`, when traced) follow the map too: the cut
+    after a new unit ships what the cut after its source unit did (after E, E's), so a cut
+    between a new block's halves carries what one between the traced halves did.
 
     A trace of sublayer units (E, a m per block, L) scales the same way with the attention
     halves and the MLP halves as two separate series of b: each keeps its own mean per step,
@@ -95,8 +98,9 @@ def scale_trace(trace: Trace, blocks: int, *, cost_scale: float = 1.0, params_sc
     config = dict(h.config)
     config["scaled"] = {"from_blocks": b, "blocks": blocks, "cost_scale": cost_scale,
                         "params_scale": params_scale, "noise": noise, "seed": seed}
+    cuts = None if h.boundary_bytes is None else [h.boundary_bytes[0]] + [h.boundary_bytes[i] for i in src]
     header = replace(h, layers=unit_names(blocks, unit), kinds=unit_kinds(blocks, unit), params=params,
-                     layer_bytes=lbytes, config=config, source="scaled")
+                     layer_bytes=lbytes, config=config, source="scaled", boundary_bytes=cuts)
     return Trace(header, steps)
 
 

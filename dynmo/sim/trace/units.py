@@ -21,7 +21,8 @@ def merge_units(trace: Trace) -> Trace:
     Block i's forward, backward, weight-gradient, controller cost and state bytes per step are
     its attention half's plus its MLP half's, its parameters and migration bytes the halves'
     sums; E and L are kept. A traced layout is kept where every boundary falls between blocks,
-    else dropped (a block cannot be split). Case statistics merge by `merged_stat`. The names
+    else dropped (a block cannot be split); so are the bytes crossing each cut (`boundary_bytes`):
+    the cuts between a block's halves are dropped, the others kept. Case statistics merge by `merged_stat`. The names
     are block{i}, the kinds t, `source` is "merged" and `config.merged` records the units it
     came from. A trace of whole blocks is returned as it is; TraceError for any other kinds."""
     h = trace.header
@@ -44,9 +45,10 @@ def merge_units(trace: Trace) -> Trace:
                      layout=merged_layout(s.layout, start)) for s in trace.steps]
     config = dict(h.config)
     config["merged"] = {"from_units": n, "blocks": len(attn)}
+    cuts = None if h.boundary_bytes is None else [h.boundary_bytes[0]] + [h.boundary_bytes[j] for j in mlp]
     header = replace(h, layers=[h.layers[0]] + [f"block{i}" for i in range(len(attn))] + [h.layers[-1]],
                      kinds=unit_kinds(len(attn)), params=merged(h.params), layer_bytes=merged(h.layer_bytes),
-                     config=config, source="merged")
+                     config=config, source="merged", boundary_bytes=cuts)
     return Trace(header, steps)
 
 
