@@ -386,3 +386,12 @@ def test_a_sublayer_early_exit_run_records_its_cut_bytes(tmp_path):
     from dynmo.sim.trace import trace_from_metrics
 
     assert trace_from_metrics(out).header.boundary_bytes == want
+
+
+def test_the_replayed_policies_balance_with_the_cut_factors():
+    """profile-once (and so the oracles' and the DynMo loop's problems, built the same way) moves
+    the cut to a block edge on slow links, as the balancer does."""
+    from dynmo.sim.replay.policies import profile_once_layout
+
+    assert profile_once_layout(COSTS, 2, [2.0], [2.0]).boundaries == (0, 4, 8)
+    assert profile_once_layout(COSTS, 2, [2.0], [2.0], FACTORS).boundaries in ((0, 3, 8), (0, 5, 8))

@@ -25,7 +25,8 @@ def static_layout(name: str, trace: Trace, stages: int, runner: Runner) -> Layou
         return Layout.uniform(trace.num_layers, stages)
     if name == "profile-once":
         links = runner.link_times(stages)
-        return profile_once_layout(profile_costs(runner.observed, runner.opts.profile_steps), stages, links, links)
+        return profile_once_layout(profile_costs(runner.observed, runner.opts.profile_steps), stages, links, links,
+                                   runner.cut_factor)
     return Layout(tuple(balance(Problem(costs=trace.header.params, stages=stages), "deepspeed").boundaries))
 
 
@@ -40,12 +41,14 @@ def profile_costs(observed, profile_steps: int) -> np.ndarray:
 
 
 def profile_once_layout(costs, stages: int, transfer: Sequence[float] | None = None,
-                        transfer_back: Sequence[float] | None = None) -> Layout:
+                        transfer_back: Sequence[float] | None = None,
+                        cut_factor: Sequence[float] | None = None) -> Layout:
     """The optimal contiguous layout (min-max stage load, `dynmo.balance` optimal) of per-layer
     `costs`, with per-link `transfer` seconds charged to the stage sending the activations and
-    `transfer_back` to the stage sending the gradients."""
+    `transfer_back` to the stage sending the gradients, each times the `cut_factor` of the cut
+    on the link (the bytes crossing it, relative to a cut between blocks)."""
     r = balance(Problem(costs=[float(c) for c in costs], stages=stages, transfer=transfer,
-                        transfer_back=transfer_back), "optimal")
+                        transfer_back=transfer_back, cut_factor=cut_factor), "optimal")
     return Layout(tuple(r.boundaries))
 
 
@@ -72,7 +75,8 @@ def oracle_picks(trace: Trace, runner: Runner, stages: int,
     transfer = runner.link_times(stages)
     picks = []
     for k in range(len(trace.steps)):
-        problem = Problem(costs=runner.costs[k].tolist(), stages=stages, transfer=transfer, transfer_back=transfer)
+        problem = Problem(costs=runner.costs[k].tolist(), stages=stages, transfer=transfer, transfer_back=transfer,
+                          cut_factor=runner.cut_factor)
         best, t_best = candidates.best_layout(problem, "optimal", None,
                                               lambda _p, lays: [runner.iteration_s(k, lay) for lay in lays])
         best, t_best = _fastest_of_others(runner, k, best, t_best, others)
@@ -152,7 +156,8 @@ def run_oracle_window(trace: Trace, runner: Runner, stages: int, window: int, op
         cands: list[Layout] = []
         window_costs = runner.costs[steps]
         for costs in (np.median(window_costs, axis=0), np.mean(window_costs, axis=0)):
-            problem = Problem(costs=costs.tolist(), stages=stages, transfer=transfer, transfer_back=transfer)
+            problem = Problem(costs=costs.tolist(), stages=stages, transfer=transfer, transfer_back=transfer,
+                              cut_factor=runner.cut_factor)
             best, _ = candidates.best_layout(problem, "optimal", None, lambda _p, lays: [total(lay) for lay in lays])
             cands.append(best)
         for r in others:
@@ -224,7 +229,7 @@ def run_dynamic(trace: Trace, runner: Runner, stages: int, balancer: str, do_rep
     loop = DynmoLoop(replace(opts.balance, balancer=balancer, repack=do_repack), microbatches=runner.m,
                      schedule=runner.schedule, stages_per_rank=runner.v, layer_params=h.params,
                      layer_bytes=runner.prior_bytes,
-                     transfer=links, transfer_back=links,
+                     transfer=links, transfer_back=links, boundary_bytes=h.boundary_bytes,
                      migration_fixed_s=opts.migration_fixed_s, migration_bandwidth=opts.migration_bandwidth)
     loop.controller.restart_s = opts.restart_s
     layout = static_layout(start_layout_name(opts.initial), trace, stages, runner)
