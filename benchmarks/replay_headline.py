@@ -61,8 +61,10 @@ def fmt(x) -> str:
     return "n/a" if x is None else f"{x:.3f}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def traces(argv: list[str] | None, doc: str, program: str) -> list[Path] | None:
+    """The committed traces a replay benchmark's --traces and --cases select (None: none), the
+    command line printed first."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--traces", default="docs/bench/traces")
     ap.add_argument("--cases", default="", help="comma-separated trace names (file names without .jsonl); default all")
     args = ap.parse_args(argv)
@@ -71,9 +73,16 @@ def main(argv: list[str] | None = None) -> int:
     if wanted:
         paths = [p for p in paths if p.stem.removesuffix("-static") in wanted or p.stem in wanted]
     if not paths:
-        print(f"replay_headline: no traces in {args.traces}", file=sys.stderr)
+        print(f"{program}: no traces in {args.traces}", file=sys.stderr)
+        return None
+    print(f"python benchmarks/{program}.py --traces {args.traces}" + (f" --cases {args.cases}" if wanted else "") + "\n")
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    paths = traces(argv, __doc__, "replay_headline")
+    if paths is None:
         return 2
-    print(f"python benchmarks/replay_headline.py --traces {args.traces}" + (f" --cases {args.cases}" if wanted else "") + "\n")
     print("| trace | shape | best static | uniform | dynmo from uniform | dynmo from profile-once | oracle "
           "| oracle gain captured (uniform, profile-once) | migrations (uniform, profile-once) "
           "| settled, second half (uniform, profile-once) |")

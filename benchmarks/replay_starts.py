@@ -15,7 +15,6 @@ table repeats. Pure; no torch.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from dataclasses import replace
@@ -23,9 +22,8 @@ from pathlib import Path
 
 from dynmo.sim import load_trace, scale_trace
 from dynmo.sim.replay import ReplayOptions, replay, replay_balance
+from replay_headline import MOE_FAMILY, SHAPES, traces  # run as a script: benchmarks/ is on the path
 
-MOE_FAMILY = ("moe", "mixtral", "dense-moe")
-SHAPES = {"24x30": (24, 30, 48, 96), "16x8": (16, 8, 32, 64)}  # stages, dp, blocks, microbatches
 STARTS = ("uniform", "params", "profile-once")
 FLOOR = 0.995  # the promise, within the replay's own rounding of a migration's cost
 
@@ -50,18 +48,9 @@ def rows(path: Path, shape: str) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--traces", default="docs/bench/traces")
-    ap.add_argument("--cases", default="", help="comma-separated trace names (file names without .jsonl); default all")
-    args = ap.parse_args(argv)
-    paths = sorted(Path(args.traces).glob("*.jsonl"))
-    wanted = {c.strip() for c in args.cases.split(",") if c.strip()}
-    if wanted:
-        paths = [p for p in paths if p.stem.removesuffix("-static") in wanted or p.stem in wanted]
-    if not paths:
-        print(f"replay_starts: no traces in {args.traces}", file=sys.stderr)
+    paths = traces(argv, __doc__, "replay_starts")
+    if paths is None:
         return 2
-    print(f"python benchmarks/replay_starts.py --traces {args.traces}" + (f" --cases {args.cases}" if wanted else "") + "\n")
     print("| trace | shape | " + " | ".join(f"from {s}: whole, second half, migrations" for s in STARTS) + " |")
     print("|---|---|" + "---|" * len(STARTS))
     below = []
