@@ -176,6 +176,11 @@ def set_mask(parent: nn.Module, name: str, mask: torch.Tensor, kernel: str) -> P
     return new
 
 
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
 def time_kernels(lin: nn.Module, mask: torch.Tensor, rows: int, reps: int = 3,
                  dtype: torch.dtype = torch.float32) -> dict[str, float]:
     """Seconds of one forward + backward of `lin` (a Linear or PrunedLinear) under `mask` on
@@ -192,10 +197,12 @@ def time_kernels(lin: nn.Module, mask: torch.Tensor, rows: int, reps: int = 3,
         best = float("inf")
         for _ in range(reps):
             xi = x.clone().requires_grad_(True)
+            _sync(dev)
             t = time.perf_counter()
             with torch.autocast(device_type=dev.type, dtype=dtype, enabled=dtype != torch.float32):
                 y = F.linear(xi, w * m, b) if kernel == "dense" else csr_linear(xi, w, b, pat)
             y.float().sum().backward()
+            _sync(dev)  # CUDA runs the kernels after the call returns: wait for them
             best = min(best, time.perf_counter() - t)
         out[kernel] = best
     return out
