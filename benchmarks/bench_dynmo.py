@@ -24,12 +24,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from dynmo import bench
+from dynmo.bench.measures import overhead_s
+from dynmo.bench.run import train
 from dynmo.balance import Problem, balance
 from dynmo.layout import Layout
 
 def train(out: Path, config: str, steps: int, *extra: str) -> list[dict]:
-    return bench.train(out, config, "--steps", str(steps), *extra)
+    return train(out, config, "--steps", str(steps), *extra)
 
 
 def med(xs) -> float:
@@ -41,7 +42,7 @@ def summarize(recs: list[dict], skew_start: int, settle: int) -> dict:
     steady = [r for r in recs if r["step"] >= skew_start + settle]
     migrations = [e for r in recs for e in r["events"] if e["type"] == "migration"]
     train_s = sum(r["step_s"] for r in recs)
-    overhead = bench.overhead_s(recs)
+    overhead = overhead_s(recs)
     return {
         "tokens_per_s": med(r["tokens_per_s"] for r in steady),
         "bubble_before": med(r["bubble_ratio"] for r in before) if before else float("nan"),

@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from dynmo import bench
+from dynmo.bench.run import train
 from dynmo.balance import Problem, balance
 from dynmo.config import load_config
 
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def run(name: str, config: str, *extra: str) -> list[dict]:
             print(f"  {name} ...", file=sys.stderr, flush=True)
-            return bench.train(out / name, config, "--train.eval_every", "0", *extra)
+            return train(out / name, config, "--train.eval_every", "0", *extra)
 
         static = run("static", "configs/skewed.toml", "--steps", str(args.steps))
         costs = [statistics.median(col) for col in zip(*(r["layer_cost_s"] for r in static[skew_start + 2:]))]

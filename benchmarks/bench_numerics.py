@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from dynmo import bench
+from dynmo.bench.run import train
 
 VARIANTS = [
     ("fp32", "none"),
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             for dtype, ckpt in VARIANTS:
                 out = Path(tmp) / f"{dtype}-{ckpt}-{rep}"
                 print(f"repeat {rep + 1}/{args.repeats}: {dtype}, checkpointing {ckpt} ...", file=sys.stderr, flush=True)
-                runs[(dtype, ckpt)].append(bench.train(
+                runs[(dtype, ckpt)].append(train(
                     out, args.config, "--steps", str(args.steps), "--train.eval_every", "0",
                     "--train.dtype", dtype, "--train.activation_checkpointing", ckpt))
     rows = {v: summarize(r) for v, r in runs.items()}
