@@ -25,12 +25,12 @@ import tempfile
 from pathlib import Path
 
 from dynmo.bench.measures import overhead_s
-from dynmo.bench.run import train
+from dynmo.bench import run as bench_run
 from dynmo.balance import Problem, balance
 from dynmo.layout import Layout
 
 def train(out: Path, config: str, steps: int, *extra: str) -> list[dict]:
-    return train(out, config, "--steps", str(steps), *extra)
+    return bench_run.train(out, config, "--steps", str(steps), *extra)
 
 
 def med(xs) -> float:
