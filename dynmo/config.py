@@ -154,7 +154,8 @@ class BalanceConfig:
     repack: bool = False
     repack_tolerance: float = 0.05
     # the forecast total cost must have fallen this fraction below its peak before a re-pack releases
-    # workers (they never come back, so a model that may still grow keeps them); 0: no such gate
+    # workers (they come back only through a checkpoint restart, so a model that may still grow
+    # keeps them); 0: no such gate
     repack_shrink: float = 0.05
     retune_microbatches: bool = False  # after re-packing, pick microbatches for the shorter pipeline
     memory_gb: float = 0.0  # per-rank memory cap the balancer respects; 0 = no cap

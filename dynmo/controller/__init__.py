@@ -55,13 +55,14 @@ Replayed figures and the trade-off between reaction time and false moves are in
 docs/controller.md.
 
 Re-packing (`repack=True`, paper Algorithm 1's optional step): when the model has shrunk (the
-forecast total cost fell by `repack_shrink` below the largest seen: workers never come back, so a
-model that may still grow keeps them), the controller packs the layers onto the fewest
+forecast total cost fell by `repack_shrink` below the largest seen: workers come back only
+through a checkpoint restart, so a model that may still grow keeps them), the controller packs the layers onto the fewest
 pipeline positions 0..k-1 whose predicted step time stays within `repack_tolerance` of the
 best layout's on every worker the run started with (not today's: re-packs would compound), on
 the forecast and on 80% of the observed steps (up to 20, all the evidence: released workers
-never come back, so this decision reads more than the window); the runtime
-releases the rest. Its event reports both step times. With identical workers any k of them
+come back only through a restart, so this decision reads more than the window); the runtime
+releases the rest. When the packed layout runs beyond that tolerance again and the saving
+repays a restart (`restart_s`), the controller grows back (`repack.grow`, reason "grow"). Its event reports both step times. With identical workers any k of them
 are equivalent, so keeping the prefix loses nothing; with measured per-worker speeds the
 balancer gets the kept workers' speeds.
 

@@ -145,6 +145,12 @@ class Controller(Scoring):
                 self.large = before
                 self.proposal = self.searched = self.steady = None
                 self.epoch = self.observed - 1
+                # as an announced change: nothing to judge across it, and a layout that lost
+                # before may win now; the change's two steps are not the noise's spread
+                self.judge.forget()
+                self.lost.clear()
+                self.jumps.pop()
+                return
         elif evidence.large_change(rel, self.jumps, self.cfg.window):
             self.suspect = (ref, 1 if rel > 0 else -1, self.forecast())
         self.jumps.append(abs(rel))
@@ -290,7 +296,8 @@ class Controller(Scoring):
         before, self.large = self.large, None
         problem = self.problem(costs, current.num_stages, current)
         new, t_new = candidates.best_layout(problem, self.cfg.balancer, current, self.steps_s)
-        near = [lay for lay in [new, *candidates.neighbours(problem, new)] if lay != current]
+        near = [lay for lay in [new, *candidates.neighbours(problem, new)]
+                if lay != current and lay.boundaries not in self.lost]
         if not near:
             return None
         now = self.steps_s(problem, near)
@@ -341,8 +348,8 @@ class Controller(Scoring):
 
     def _judge_last_migration(self, current: Layout, layer_bytes: list[int], steps_left: int) -> Decision | None:
         """A migration that lost doubles the margin; a rebalance that lost is undone and its
-        layout never chosen again in the run (released workers do not come back, so a re-pack
-        that lost only raises the margin)."""
+        layout never chosen again in the run (a re-pack or a grow that lost only raises the
+        margin: undoing one is a restart or a release, not a migration)."""
         judged = self.judge.verdict(current, self.cfg.min_gain, self.cfg.repack_tolerance, self._steps_under)
         if judged is None or not judged[1].lost:
             return None

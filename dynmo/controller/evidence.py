@@ -112,7 +112,8 @@ def trimmed(gains: list[float]) -> tuple[float, float, int]:
     if n < 2:
         return mean, 0.0, 0
     win = [x[g]] * g + kept + [x[n - g - 1]] * g
-    return mean, stdev(win) / ((1 - 2 * g / n) * math.sqrt(n)), n - 2 * g - 1
+    h = n - 2 * g  # Yuen: se = s_w sqrt((n - 1) / (h (h - 1))), s_w the winsorized sd
+    return mean, stdev(win) * math.sqrt((n - 1) / (h * (h - 1))), h - 1
 
 
 def noise_bound(gains: list[float], p: float = 0.95) -> float:

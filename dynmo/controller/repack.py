@@ -11,7 +11,7 @@ a migration, so a model that may still grow keeps them.
 Growing back (`grow`) is the mirror: when the packed layout is no longer within the tolerance of
 the best layout on every worker the run started with, on the forecast and on 80 % of the
 observed steps, and the step time it saves over the horizon repays the restart (`restart_s`,
-a prior until a restart was measured) and the migration, the workers come back.
+a prior until a restart was measured), the workers come back.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def repack(cfg: BalanceConfig, costs: list[float], current: Layout, peak_total: 
     The tolerance is against the best layout, among the controller's candidates, on the `widest`
     positions the run had (at least today's). With `when` other than `every`, the re-pack must
     also keep its tolerance on 80% of the observed steps of `history` (the controller's evidence,
-    up to 20 steps, not only the forecast's window): released workers never come back, so the
+    up to 20 steps, not only the forecast's window): released workers come back only through a restart, so the
     decision that releases them reads all the evidence there is. `memo` keeps each observed
     step's best step time on every position between calls (it is searched, not just simulated).
 
@@ -107,7 +107,7 @@ def grow(cfg: BalanceConfig, costs: list[float], current: Layout, widest: int, p
     the packed `current` runs beyond the re-pack's tolerance of it (on the forecast, and, with
     `when` other than `every`, on 80 % of the observed steps: the restart reads all the evidence
     there is, as the re-pack did) and the saving over `horizon` steps exceeds `cost_s` (the
-    restart and the migration)."""
+    restart: the layers come back from its checkpoint, no migration)."""
     if current.num_stages >= widest:
         return None
     wide, t_wide = best_layout(problem_of(costs, widest), cfg.balancer, None, steps_of)

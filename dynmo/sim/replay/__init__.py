@@ -22,7 +22,8 @@ iteration of the schedule with them. Policies:
   <balancer>+repack    the same with the controller's re-packing on (`balance.repack = true`,
                        which calls `dynmo.balance.repack`): at a decision point it packs the
                        layers onto the fewest stages whose optimal bottleneck stays within the
-                       tolerance; released workers never return; optionally the microbatch
+                       tolerance, and grows back (a restart charged restart_s) when the
+                       work returns; optionally the microbatch
                        count is re-tuned for the shorter pipeline (balance.retune_microbatches);
   oracle               per step the fastest layout for that step's own costs (and the link
                        times the dynamic policies see) among the controller's candidates and

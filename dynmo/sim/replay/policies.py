@@ -226,12 +226,16 @@ def run_dynamic(trace: Trace, runner: Runner, stages: int, balancer: str, do_rep
     """The trainer's loop, on traced costs: decide before each step, observe after it."""
     h = trace.header
     links = runner.link_times(stages)  # the same each way: the engine's transfers are symmetric
-    loop = DynmoLoop(replace(opts.balance, balancer=balancer, repack=do_repack), microbatches=runner.m,
-                     schedule=runner.schedule, stages_per_rank=runner.v, layer_params=h.params,
-                     layer_bytes=runner.prior_bytes,
-                     transfer=links, transfer_back=links, boundary_bytes=h.boundary_bytes,
-                     migration_fixed_s=opts.migration_fixed_s, migration_bandwidth=opts.migration_bandwidth)
-    loop.controller.restart_s = opts.restart_s
+    def new_loop() -> DynmoLoop:
+        lp = DynmoLoop(replace(opts.balance, balancer=balancer, repack=do_repack), microbatches=runner.m,
+                       schedule=runner.schedule, stages_per_rank=runner.v, layer_params=h.params,
+                       layer_bytes=runner.prior_bytes,
+                       transfer=links, transfer_back=links, boundary_bytes=h.boundary_bytes,
+                       migration_fixed_s=opts.migration_fixed_s, migration_bandwidth=opts.migration_bandwidth)
+        lp.controller.restart_s = opts.restart_s
+        return lp
+
+    loop = new_loop()
     layout = static_layout(start_layout_name(opts.initial), trace, stages, runner)
     m = runner.m
     n_steps = len(trace.steps)
@@ -251,7 +255,11 @@ def run_dynamic(trace: Trace, runner: Runner, stages: int, balancer: str, do_rep
             overhead += opts.restart_s
             events.append({"type": "grow", "restart_s": opts.restart_s})
             layout = new
-            loop.applied(runner.m)
+            # as the run: a new job, whose controller starts from the checkpoint's forecast
+            forecast = loop.controller.forecast()
+            loop = new_loop()
+            if forecast is not None and opts.balance.cost == "time":
+                loop.controller.history.append(forecast)
             m = runner.m
         elif decision is not None and decision.layout != layout:
             new = decision.layout
