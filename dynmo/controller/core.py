@@ -107,8 +107,12 @@ class Controller(Scoring):
                 layout: Layout | None = None) -> None:
         """One step's per-layer costs, and, if known, its measured step time and the layout it
         ran on. `changed`: the model changed in this step (a dynamism event)."""
-        if self.cfg.when == "auto" and layout is not None and len(self.history) >= self.cfg.window:
-            self._large_change(layer_costs, layout)
+        large = self.cfg.when == "auto" and layout is not None and len(self.history) >= self.cfg.window
+        judged = step_s is not None and step_s > 0 and layout is not None
+        # the step's simulated time on the layout it ran on, once: large changes and the judge read it
+        t_step = self._step_under(layer_costs, layout) if large or judged else 0.0
+        if large:
+            self._large_change(t_step, layout)
         self.history.append(list(layer_costs))
         self.cache.measured(self.history[-1], (self.model.fwd_share, self.model.wgrad_share))
         self.observed += 1
@@ -121,19 +125,16 @@ class Controller(Scoring):
             # a standing proposal stays: its fresh steps, on the changed model, confirm it or not
             # (dropping it here let a model that changes every 5 steps outrun every confirmation)
             self.lost.clear()  # a layout that lost on the old model may win on the new one
-        if step_s is not None and step_s > 0 and layout is not None:
-            model = self._step_under(layer_costs, layout)
-            if model > 0:
-                self.judge.observe(step_s / model, layer_costs)
+        if judged and t_step > 0:
+            self.judge.observe(step_s / t_step, layer_costs)
 
-    def _large_change(self, layer_costs: list[float], layout: Layout) -> None:
+    def _large_change(self, t: float, layout: Layout) -> None:
         """A step whose time departs from the forecast's by far more than the steps before it did
         (`evidence.large_change`), followed by a step that departs as far the same way, restarts
         the evidence at the first of them: the steps before describe another model. The forecast
         of before is kept, to prefer layouts that survive a reversal."""
         past = self.history_times([layout])[0]
         ref = median(past[-self.cfg.window:])
-        t = self._step_under(layer_costs, layout)
         rel = t / ref - 1 if ref > 0 else 0.0
         if self.suspect is not None:  # the step before departed far: does this one agree?
             ref0, sign, before = self.suspect
@@ -295,18 +296,18 @@ class Controller(Scoring):
         following steps are judged by the usual evidence."""
         before, self.large = self.large, None
         problem = self.problem(costs, current.num_stages, current)
-        new, t_new = candidates.best_layout(problem, self.cfg.balancer, current, self.steps_s)
-        near = [lay for lay in [new, *candidates.neighbours(problem, new)]
+        best, t_best = candidates.best_layout(problem, self.cfg.balancer, current, self.steps_s)
+        near = [lay for lay in [best, *candidates.neighbours(problem, best)]
                 if lay != current and lay.boundaries not in self.lost]
+        times = self.steps_s(problem, near + [current])  # one pass: the candidates and the current layout
+        t_now = times.pop()
+        near = [(lay, t) for lay, t in zip(near, times) if t <= t_best * (1 + self.margin)]
         if not near:
             return None
-        now = self.steps_s(problem, near)
-        near = [lay for lay, t in zip(near, now) if t <= t_new * (1 + self.margin)]
+        new, t_cand = near[0]
         if before is not None and len(near) > 1:
-            old = self.steps_s(self.problem(before, current.num_stages, current), near)
-            new = near[min(range(len(near)), key=lambda i: old[i])]
-        t_now = self.step_s(problem, current)
-        t_cand = self.step_s(problem, new)
+            old = self.steps_s(self.problem(before, current.num_stages, current), [lay for lay, _ in near])
+            new, t_cand = near[min(range(len(near)), key=lambda i: old[i])]
         horizon = max(0, min(self.cfg.horizon, steps_left))
         if t_now - t_cand < self.margin * t_now or (t_now - t_cand) * horizon <= self.migration_cost(layer_bytes, current, new):
             return None
@@ -366,8 +367,10 @@ class Controller(Scoring):
               steps_left: int) -> Decision | None:
         """The released workers back, through a checkpoint restart (`repack.grow`)."""
         horizon = max(0, min(self.cfg.horizon, steps_left))
+        self._prune_memo()
         cost = self.restart_s  # the layers come back from the checkpoint the restart reads
-        g = grow(self.cfg, costs, current, self.widest, self.problem, self.steps_s, list(self.history), horizon, cost)
+        g = grow(self.cfg, costs, current, self.widest, self.problem, self.steps_s, list(self.history), horizon, cost,
+                 self.repack_memo)
         if g is None:
             return None
         problem = self.problem(costs, self.widest)
@@ -377,6 +380,11 @@ class Controller(Scoring):
             (g.current_step_s - g.step_s) * horizon, cost, predicted_step_s=g.step_s, current_step_s=g.current_step_s,
             reason="grow"))
 
+    def _prune_memo(self) -> None:
+        """What the re-pack's and the grow's memo holds for steps that left the history goes."""
+        keep = {tuple(c) for c in self.history}
+        self.repack_memo = {key: t for key, t in self.repack_memo.items() if key[0] in keep}
+
     def observe_restart(self, seconds: float) -> None:
         """A grow's restart was measured: the next one is priced at it."""
         if seconds > 0:
@@ -384,8 +392,7 @@ class Controller(Scoring):
 
     def _repack(self, step: int, costs: list[float], current: Layout, layer_bytes: list[int],
                 steps_left: int) -> Decision | None:
-        keep = {tuple(c) for c in self.history}  # what the memo holds for steps that left the history goes
-        self.repack_memo = {key: t for key, t in self.repack_memo.items() if key[0] in keep}
+        self._prune_memo()
         r = repack(self.cfg, costs, current, self.peak_total, self.problem, self.steps_s, list(self.history),
                    self.microbatches, self.widest, self.repack_memo)
         if r is None:

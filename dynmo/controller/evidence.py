@@ -91,11 +91,6 @@ def level(confidence: float) -> float:
     return 1 - (1 - confidence) / 2
 
 
-def spread(gains: list[float]) -> float:
-    """Standard deviation of the per-step gains (0 for fewer than two)."""
-    return stdev(gains) if len(gains) > 1 else 0.0
-
-
 TRIM = 0.2  # the share of steps cut from each end of the gains before the test (Yuen's trimmed mean)
 
 

@@ -57,12 +57,7 @@ def repack(cfg: BalanceConfig, costs: list[float], current: Layout, peak_total: 
     memo = {} if memo is None else memo
 
     def best_of(step_costs: list[float]) -> float:
-        """The best step time of `step_costs` on all `full` positions."""
-        key = (tuple(step_costs), full, current.boundaries if full == p else None)
-        if key not in memo:
-            memo[key] = best_layout(problem_of(step_costs, full, current if full == p else None), cfg.balancer, None,
-                                    steps_of)[1]
-        return memo[key]
+        return _best_on(cfg, step_costs, full, current, problem_of, steps_of, memo)
 
     t_best = best_of(costs)
     limit = t_best * (1 + cfg.repack_tolerance) * (1 + 1e-9)
@@ -84,6 +79,18 @@ def repack(cfg: BalanceConfig, costs: list[float], current: Layout, peak_total: 
     return Repack(new, result.bottleneck, t_k, t_best)
 
 
+def _best_on(cfg: BalanceConfig, costs: list[float], full: int, current: Layout, problem_of: ProblemOf,
+             steps_of: StepsOf, memo: dict) -> float:
+    """The best step time of `costs` on all `full` positions, kept in `memo` per step: the
+    re-pack and the grow read each observed step's at every decision."""
+    p = current.num_stages
+    key = (tuple(costs), full, current.boundaries if full == p else None)
+    if key not in memo:
+        memo[key] = best_layout(problem_of(costs, full, current if full == p else None), cfg.balancer, None,
+                                steps_of)[1]
+    return memo[key]
+
+
 def _fits_on_most_steps(cfg: BalanceConfig, new: Layout, k: int, problem_of: ProblemOf, steps_of: StepsOf,
                         history: Iterable[list[float]], best_of: Callable[[list[float]], float]) -> bool:
     steps = list(history)
@@ -102,7 +109,8 @@ class Grow:
 
 
 def grow(cfg: BalanceConfig, costs: list[float], current: Layout, widest: int, problem_of: ProblemOf,
-         steps_of: StepsOf, history: Iterable[list[float]], horizon: int, cost_s: float) -> Grow | None:
+         steps_of: StepsOf, history: Iterable[list[float]], horizon: int, cost_s: float,
+         memo: dict | None = None) -> Grow | None:
     """Take the released workers back, or None: the best layout on all `widest` positions, when
     the packed `current` runs beyond the re-pack's tolerance of it (on the forecast, and, with
     `when` other than `every`, on 80 % of the observed steps: the restart reads all the evidence
@@ -116,9 +124,10 @@ def grow(cfg: BalanceConfig, costs: list[float], current: Layout, widest: int, p
         return None
     if cfg.when != "every":
         steps = list(history)
+        memo = {} if memo is None else memo
         beyond = 0
         for c in steps:
-            best = best_layout(problem_of(c, widest), cfg.balancer, None, steps_of)[1]
+            best = _best_on(cfg, c, widest, current, problem_of, steps_of, memo)
             packed = steps_of(problem_of(c, current.num_stages, current), [current])[0]
             beyond += packed > best * (1 + cfg.repack_tolerance) * (1 + 1e-9)
         if beyond < -(-len(steps) * 4 // 5):
