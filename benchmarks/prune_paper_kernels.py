@@ -3,7 +3,7 @@
     dynmo train --nproc 2 --config configs/pruning.toml --steps 120 --balance.when never \
         --out runs/pruning-static --overwrite
     python benchmarks/prune_paper_kernels.py runs/pruning-static [--width 1600] [--tokens N] \
-        [--json OUT.json]
+        [--device cuda] [--dtype bf16] [--json OUT.json]
 
 `dynmo bench` replays a pruning run at the paper's scale (48 blocks, 24 stages x 30 dp) by
 scaling its trace: each new block takes a traced block's costs. But the traced blocks are the
@@ -15,7 +15,8 @@ how much a pruned block gets cheaper depends on the kernels at that width. This 
 2. generates masks with those features at the Linears' sizes in a model of width `--width`
    (default 1600, GPT-2 XL's, a 48-block GPT: the paper trains GPT models of 24 to 48 blocks and
    does not give their width) with `dynmo.tensor.masks`;
-3. times, on this machine, one forward + backward of a microbatch (`--tokens`; default the
+3. times, on this machine's CPU or its first GPU (`--device`), in fp32 or under bf16 autocast
+   (`--dtype`), one forward + backward of a microbatch (`--tokens`; default the
    run's, 512 for configs/pruning.toml, as one sequence) through each Linear under
    each mask with the dense and the CSR kernel (`dynmo.model.sparse.time_kernels`, as
    `prune.kernel = auto` does in a run) and through a whole dense block of that width;
@@ -33,7 +34,9 @@ import argparse
 import copy
 import json
 import sys
+import os
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -77,15 +80,25 @@ def pruning_features(run: Path) -> dict[int, dict[int, list[dict]]]:
     return out
 
 
-def block_seconds(block: torch.nn.Module, tokens: int, width: int, reps: int) -> float:
-    x = torch.randn(1, tokens, width)
-    mask = torch.ones(1, tokens, dtype=torch.bool)
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def block_seconds(block: torch.nn.Module, tokens: int, width: int, reps: int,
+                  dtype: torch.dtype = torch.float32) -> float:
+    dev = next(block.parameters(), torch.empty(0)).device
+    x = torch.randn(1, tokens, width, device=dev)
+    mask = torch.ones(1, tokens, dtype=torch.bool, device=dev)
     best = float("inf")
     for _ in range(reps):
         xi = x.clone().requires_grad_(True)
+        _sync(dev)
         t = time.perf_counter()
-        y, _ = block(xi, mask)
-        y.sum().backward()
+        with torch.autocast(device_type=dev.type, dtype=dtype, enabled=dtype != torch.float32):
+            y, _ = block(xi, mask)
+        y.float().sum().backward()
+        _sync(dev)
         best = min(best, time.perf_counter() - t)
     return best
 
@@ -110,17 +123,24 @@ def without_linears(block: torch.nn.Module, names: tuple[str, ...]) -> torch.nn.
     return bare
 
 
-def kernel_seconds(lin: torch.nn.Module, mask: torch.Tensor, tokens: int, reps: int) -> dict[str, float]:
+def kernel_seconds(lin: torch.nn.Module, mask: torch.Tensor, tokens: int, reps: int,
+                   dtype: torch.dtype = torch.float32) -> dict[str, float]:
     """`time_kernels` `reps` times, one timing of each kernel in turn, the fastest of each kept:
     a burst of another job's load then slows one timing of both kernels, not all of one."""
     best: dict[str, float] = {}
     for _ in range(reps):
-        for k, v in time_kernels(lin, mask, tokens, reps=1).items():
+        for k, v in time_kernels(lin, mask.to(lin.weight.device), tokens, reps=1, dtype=dtype).items():
             best[k] = min(best.get(k, float("inf")), v)
     return best
 
 
-def measure(run: Path, width: int, tokens: int, reps: int, seed: int) -> dict:
+def _draw(spec_seed):
+    spec, seed = spec_seed
+    return generate_mask(spec, seed=seed)
+
+
+def measure(run: Path, width: int, tokens: int, reps: int, seed: int, device: str = "cpu",
+            dtype: torch.dtype = torch.float32, jobs: int = 1) -> dict:
     cfg = load_config(run / "config.toml")
     small = cfg.model
     tokens = tokens or cfg.train.global_batch // cfg.train.microbatches * small.seq_len
@@ -129,7 +149,7 @@ def measure(run: Path, width: int, tokens: int, reps: int, seed: int) -> dict:
     scale = width / small.d_model
     big = replace(small, d_model=width, n_heads=max(1, width // 64), seq_len=max(small.seq_len, tokens))
     torch.manual_seed(seed)
-    block = Block(big)
+    block = Block(big).to(device)
     names = Block.prunable
     small_shapes = [tuple(Block(small).get_submodule(n).weight.shape) for n in names]
     # the rest of the block (norms, attention's own products, activations, residuals), timed on
@@ -141,27 +161,34 @@ def measure(run: Path, width: int, tokens: int, reps: int, seed: int) -> dict:
     whole = rest_s = float("inf")
     linear_s = dict.fromkeys(names, float("inf"))
     for _ in range(reps):
-        whole = min(whole, block_seconds(block, tokens, width, 1))
-        rest_s = min(rest_s, block_seconds(bare, tokens, width, 1))
+        whole = min(whole, block_seconds(block, tokens, width, 1, dtype))
+        rest_s = min(rest_s, block_seconds(bare, tokens, width, 1, dtype))
         for n in names:
-            linear_s[n] = min(linear_s[n], time_kernels(block.get_submodule(n), ones[n], tokens, reps=1)["dense"])
+            linear_s[n] = min(linear_s[n], time_kernels(block.get_submodule(n), ones[n], tokens, reps=1,
+                                                        dtype=dtype)["dense"])
     ones = linear_s
     rest = rest_s / sum(ones.values())
     print(f"dense block of width {width}, {tokens} tokens: {1e3 * whole:.1f} ms fwd+bwd, its Linears "
           f"{1e3 * sum(ones.values()):.1f} ms, the rest {rest:.2f} x the Linears", file=sys.stderr)
     feats = pruning_features(run)
+    # the masks are drawn first, in parallel (each is independent and seeded), then timed in turn
+    todo = {(step, i, j): (mask_spec(f, rows, cols, scale), seed + 1000 * step + 10 * i)
+            for step, per_layer in feats.items() for i, linears in per_layer.items()
+            for j, ((rows, cols), f) in enumerate(zip(small_shapes, linears))}
+    print(f"drawing {len(todo)} masks on {jobs} processes", file=sys.stderr)
+    with ProcessPoolExecutor(jobs) as pool:
+        masks = dict(zip(todo, pool.map(_draw, todo.values())))
     phases = {}
     worst: dict[str, float] = {}
     for step, per_layer in sorted(feats.items()):
         phase = {}
         for i, linears in sorted(per_layer.items()):
             dense = csr = 0.0
-            for n, (rows, cols), f in zip(names, small_shapes, linears):
-                spec = mask_spec(f, rows, cols, scale)
-                mask = generate_mask(spec, seed=seed + 1000 * step + 10 * i)
+            for j, n in enumerate(names[:len(linears)]):
+                spec, mask = todo[step, i, j][0], masks.pop((step, i, j))
                 for k, v in mask_error(mask, spec).items():
                     worst[k] = max(worst.get(k, 0.0), v)
-                t = kernel_seconds(block.get_submodule(n), torch.from_numpy(mask), tokens, reps)
+                t = kernel_seconds(block.get_submodule(n), torch.from_numpy(mask), tokens, reps, dtype)
                 dense += t["dense"]
                 csr += t["csr"]
             kernel = "csr" if csr < dense else "dense"
@@ -172,7 +199,8 @@ def measure(run: Path, width: int, tokens: int, reps: int, seed: int) -> dict:
             print(f"step {step} block {i}: dense {1e3 * dense:.1f} ms, csr {1e3 * csr:.1f} ms -> {kernel}, "
                   f"level {phase[i]['level']:.3f}", file=sys.stderr)
         phases[step] = phase
-    return {"width": width, "tokens": tokens, "reps": reps, "block_ms": 1e3 * whole,
+    return {"width": width, "tokens": tokens, "reps": reps, "device": device, "dtype": str(dtype).split(".")[-1],
+            "block_ms": 1e3 * whole,
             "linears_dense_ms": {n: 1e3 * v for n, v in ones.items()}, "rest_per_linears": rest,
             "worst_mask_error": worst, "phases": phases}
 
@@ -204,6 +232,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--reps", type=int, default=3, help="timings per kernel, the fastest kept (default 3)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", type=Path, help="write the measured kernel times and levels here")
+    ap.add_argument("--device", default="cpu",
+                    help="where the kernels are timed: cpu (default) or cuda (the first visible GPU)")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="fp32 (default) or bf16 autocast, as train.dtype (CSR products stay fp32)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                    help="processes drawing the masks (default: one per core)")
     a = ap.parse_args(argv)
     if not (a.run / "metrics.jsonl").is_file() or not (a.run / "config.toml").is_file():
         print(f"{a.run}: not a run folder (no metrics.jsonl and config.toml)", file=sys.stderr)
@@ -211,8 +245,12 @@ def main(argv: list[str]) -> int:
     if a.json is not None and a.json.exists():
         print(f"{a.json} exists; remove it or name another", file=sys.stderr)
         return 2
+    if a.device not in ("cpu", "cuda") or (a.device == "cuda" and not torch.cuda.is_available()):
+        print(f"--device {a.device}: use cpu, or cuda on a machine whose PyTorch sees a GPU", file=sys.stderr)
+        return 2
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    got = measure(a.run, a.width, a.tokens, a.reps, a.seed)
+    got = measure(a.run, a.width, a.tokens, a.reps, a.seed, a.device,
+                  torch.bfloat16 if a.dtype == "bf16" else torch.float32, max(1, a.jobs))
     trace = load_trace(a.run)
     levels = {step: {i: p["level"] for i, p in phase.items()} for step, phase in got["phases"].items()}
     case = next(c for c in CASES if c.name == "pruning")
