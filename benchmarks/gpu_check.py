@@ -42,7 +42,6 @@ import contextlib
 import datetime
 import gc
 import json
-import math
 import os
 import socket
 import statistics
@@ -52,7 +51,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dynmo.config import ConfigError, ModelConfig, load_config
+from dynmo.config import ConfigError, load_config
+from dynmo.flops import forward_flops_per_token
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -316,40 +316,6 @@ def run_all(runs: list[Run], device: str, out: Path) -> dict[str, dict]:
 # ---- the report --------------------------------------------------------------------------------
 
 
-def forward_flops_per_token(m: ModelConfig) -> float:
-    """Forward FLOPs per token (2 per multiply-add) of the matmuls of the model as configured:
-    attention projections, attention scores and their weighted sum (causal: a token attends to
-    (T + 1) / 2 tokens on average), the MLP (top_k experts and the router for MoE; for Mixture of
-    Depths the chosen tokens only, attending among themselves, plus router and predictor on every
-    token) and the LM head. Embedding lookups, norms and activations are left out, as is what
-    the dynamic cases change per step (pruned weights, frozen blocks' weight gradients, exited
-    tokens, hash attention's skipped tiles, MoE padding, the skew's extra passes): the count is
-    of the model's nominal work, so MFU stays comparable across steps and cases."""
-    d, T = m.d_model, m.seq_len
-    if m.family == "gpt":
-        heads = kv = m.n_heads
-        hd = d // heads
-        mlp = 2 * d * m.mlp_ratio * d  # fc, proj
-    else:
-        heads, kv = m.n_heads, m.n_kv_heads or m.n_heads
-        hd = m.head_dim or d // heads
-        mlp = 3 * d * (m.intermediate_size or m.mlp_ratio * d)  # gate, up, down (SwiGLU)
-    if m.block == "moe":
-        mlp = m.moe.top_k * mlp + d * m.moe.num_experts
-    proj = d * (heads + 2 * kv) * hd + heads * hd * d  # q, k, v, out
-
-    def block(tokens: int) -> float:  # multiply-adds per computed token, `tokens` in its sequence
-        return proj + 2 * heads * hd * (tokens + 1) / 2 + mlp
-
-    blocks = [block(T)] * m.n_layers
-    if m.block == "mod":
-        caps = m.mod.capacities or [m.mod.capacity] * m.n_layers
-        for i, c in enumerate(caps):
-            k = min(T, max(1, math.ceil(c * T)))  # tokens per sequence the block computes
-            blocks[i] = k / T * block(k) + 2 * d
-    return 2.0 * (sum(blocks) + d * m.vocab_size)
-
-
 def peak_tflops(device: str) -> float | None:
     return next((tf for part, tf in PEAK_BF16_TFLOPS if part in device), None)
 
@@ -471,7 +437,7 @@ def render(meta: dict, rows: list[dict]) -> str:
                   "| forward | " + " | ".join(fmt(x, ".3f") for x in r["layer_fwd_ms"]) + " |",
                   "| backward | " + " | ".join(fmt(x, ".3f") for x in r["layer_bwd_ms"]) + " |", ""]
     lines += ["## How the figures are made", "",
-              "- Model FLOPs per token: `forward_flops_per_token` in benchmarks/gpu_check.py (the "
+              "- Model FLOPs per token: `dynmo.flops.forward_flops_per_token` (the "
               "model's nominal matmuls, causal attention, x 3 for training); model TFLOP/s = tokens/s x that; "
               "MFU = model TFLOP/s / the dense bf16 peak.",
               "- Per-layer times and memory come from the run's metrics.jsonl (docs/metrics.md).", ""]

@@ -17,7 +17,8 @@ from dynmo.config import Config, ConfigError, ModelConfig
 from dynmo.layout import Layout
 from dynmo.loop import check_balance
 from dynmo.model.families import check_block
-from dynmo.plan import DTYPES, UNITS, explicit_layout, layer_names, num_layers, parse_relayouts, recompute_blocks, resolve_pp
+from dynmo.plan import (DTYPES, NAMED_LAYOUTS, UNITS, explicit_layout, layer_names, num_layers, parse_relayouts,
+                        recompute_blocks, resolve_pp)
 from dynmo.schedules import TRAINABLE, ScheduleError, get_schedule
 
 MODEL_SHAPE_FIELDS = ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "mlp_ratio", "tie_embeddings")
@@ -163,7 +164,7 @@ def validate(cfg: Config, world: int) -> list[str]:
     recompute_blocks(cfg)
     # initial layout
     lay = p.layout.strip().lower()
-    if lay not in ("uniform", "params"):
+    if lay not in NAMED_LAYOUTS:
         explicit_layout(p.layout, cfg, stages, "parallel.layout")
     parse_relayouts(cfg, stages)
     bc = cfg.balance

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from dynmo.balance import Problem, balance
 from dynmo.config import Config, ConfigError
+from dynmo.flops import unit_macs
 from dynmo.layout import Layout, LayoutError
 
 
 UNITS = ("block", "sublayer")
+# parallel.layout's named layouts (anything else is an explicit layout)
+NAMED_LAYOUTS = ("uniform", "params", "flops")
 
 
 def num_layers(cfg: Config) -> int:
@@ -50,16 +53,31 @@ def explicit_layout(text: str, cfg: Config, num_stages: int, where: str) -> Layo
     return layout
 
 
+def layer_flops(cfg: Config) -> list[float]:
+    """Each unit's nominal multiply-adds per token (`dynmo.flops.unit_macs`), in layout order."""
+    return unit_macs(cfg.model, sublayer=cfg.parallel.unit == "sublayer")
+
+
+def named_layout(name: str, units: int, num_stages: int, layer_params: list[int] | None = None,
+                 flops: list[float] | None = None) -> Layout:
+    """A named layout of `units` layers: uniform (Megatron: equal layer counts), params
+    (DeepSpeed's partition of `layer_params`) or flops (the min-max partition of the layers'
+    nominal multiply-adds `flops`, the optimal balancer)."""
+    if name == "uniform":
+        return Layout.uniform(units, num_stages)
+    costs, how = (layer_params, "deepspeed") if name == "params" else (flops, "optimal")
+    if name not in NAMED_LAYOUTS[1:] or costs is None:
+        raise ValueError(f"layout {name!r} needs {'the layers parameter counts' if name == 'params' else 'their FLOPs'}")
+    return Layout(tuple(balance(Problem(costs=[float(c) for c in costs], stages=num_stages), how).boundaries))
+
+
 def initial_layout(cfg: Config, num_stages: int, layer_params: list[int] | None = None) -> Layout:
-    """`parallel.layout`: uniform (Megatron), params (DeepSpeed's partition of `layer_params`)
-    or explicit boundaries / sizes."""
+    """`parallel.layout`: uniform (Megatron), params (DeepSpeed's partition of `layer_params`),
+    flops (the partition of the layers' nominal FLOPs, `dynmo.flops`) or explicit boundaries /
+    sizes."""
     spec = cfg.parallel.layout.strip().lower()
-    if spec == "uniform":
-        return Layout.uniform(num_layers(cfg), num_stages)
-    if spec == "params":
-        if layer_params is None:
-            raise ValueError("parallel.layout = params needs the layers' parameter counts")
-        return Layout(tuple(balance(Problem(costs=layer_params, stages=num_stages), "deepspeed").boundaries))
+    if spec in NAMED_LAYOUTS:
+        return named_layout(spec, num_layers(cfg), num_stages, layer_params, layer_flops(cfg))
     return explicit_layout(cfg.parallel.layout, cfg, num_stages, "parallel.layout")
 
 
@@ -74,7 +92,7 @@ def first_layout(cfg: Config, num_stages: int, layer_params: list[int], saved_co
       the layers out on the costs measured before the save."""
     if grown is not None and len(grown) - 1 == num_stages and cfg.parallel.virtual_stages == 1:
         return Layout(tuple(grown)), False
-    explicit = cfg.parallel.layout.strip().lower() not in ("uniform", "params")
+    explicit = cfg.parallel.layout.strip().lower() not in NAMED_LAYOUTS
     if (not saved_costs or not saved_layout or len(saved_layout) - 1 == num_stages or explicit
             or cfg.parallel.virtual_stages != 1):
         return initial_layout(cfg, num_stages, layer_params), False
