@@ -113,9 +113,10 @@ class ParallelConfig:
     dp: int = 1  # data-parallel replicas
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved1f1b | interleavedzb | zbv
     virtual_stages: int = 1  # stages per rank for interleaved schedules (zbv needs 2)
-    # uniform | params | flops (the partition of each layer's nominal FLOPs, dynmo.flops) |
+    # flops (the partition of each layer's nominal FLOPs, dynmo.flops: the best layout known
+    # before step 0) | uniform (equal layers per stage) | params (equal parameters) |
     # boundaries "0,4,8,10" | sizes "4+4+2"
-    layout: str = "uniform"
+    layout: str = "flops"
     # What the pipeline places: "block" (embedding, whole blocks, head) or "sublayer" (each
     # block's attention half and MLP half are two units a stage boundary may fall between)
     unit: str = "block"

@@ -1,0 +1,540 @@
+"""Expert parallelism in the replay: where each MoE layer's experts sit on the E ranks of an EP group. Pure.
+
+    from dynmo.sim.replay.experts import ExpertOptions, replay_experts
+    out = replay_experts(scale_trace(load_trace("docs/bench/traces/moe-static.jsonl"), 32),
+                         stages=16, dp=8, ep=8, options=ExpertOptions(microbatches=64, extra_slots=1, copies=8))
+    out.results["dynmo"].total_s, out.results["dynmo"].speedup, out.capture, out.split
+
+What is modelled. With `parallel.ep = E` the experts of each MoE layer are spread over E
+data-parallel replicas of its stage (an EP group; dp / E groups). Every microbatch, each
+replica sends its tokens to their experts' ranks and gets the outputs back (all-to-all); each
+rank computes only the real tokens of the experts it holds, no padding. A MoE layer therefore
+takes, per microbatch,
+
+    non-expert part  +  expert part x (busiest EP rank's rows / the traced padded rows)  +  all-to-all
+
+and its EP group runs in lockstep; the groups run apart and the step ends with the slowest one
+(the replay simulates each group's iteration with the event-driven engine and takes the max).
+
+The split of a traced MoE layer's cost. A trace records, per step and MoE layer, the tokens
+routed to each expert (`moe_tokens_per_expert`) and the rows the padded expert matmul computed
+(`moe_expert_rows`: N experts x the busiest expert's load, summed over the step's `moe_forwards`
+microbatches). The one-device run pads every expert to the busiest, so its expert part is
+proportional to those rows. `fit_split` fits, over every MoE layer and step but the warm-up
+step 0, cost per microbatch (forward + backward) = a + b x padded rows per microbatch by least
+squares: a is the non-expert part (attention, norms, router), b the cost of one expert row. A
+layer's measured cost at a step is then split in the proportion b x rows : a of that step's rows,
+so its noise stays with both parts. Where the fit is unusable (a < 0, b <= 0, under 3 points or
+rows that never vary) the split falls back to the model's nominal multiply-adds
+(`dynmo.flops`: attention and router per token, one expert's MLP per routed row), which
+`split = "flops"` also forces. `ExpertReplay.split` reports both (the fit's R^2, the expert
+share of the median MoE layer under each), so a reader sees how far they agree.
+
+Loads per replica. The traces come from one-replica runs. Replica r's loads at step t are drawn
+from the trace's own routing at that step: Multinomial(n, p) with p the step's per-expert share
+of the layer's tokens and n the assignments of one microbatch (`moe_useful_rows` /
+`moe_forwards`), seeded by (seed, t, layer, r), so a replay is deterministic under its seed.
+The same router routes every replica's data (p is shared), their own tokens differ (the draw);
+one draw per replica and step serves all of its microbatches (the variation between the
+microbatches of one replica is not modelled).
+
+The all-to-all. Per microbatch, replica j of a group sends the tokens its own rank does not
+hold the expert of (a copied expert's tokens go to its copies in proportion of their shares)
+and receives the tokens of the other replicas for its experts; one all-to-all takes the largest
+rank's max(sent, received) x d_model x bytes per element (2 with `train.dtype = bf16`, else 4)
+/ `a2a_bandwidth` (default A2A_BANDWIDTH, 25 GB/s: a 200 Gb/s link per GPU) + `a2a_latency`.
+Forward: dispatch and combine, two; backward: their two gradients. The traced costs are the
+CPU runs' (d_model 128): at those the all-to-all is small beside the compute.
+
+The layer layout is held fixed, so the comparison isolates placement: the faster (total time,
+static placement) of uniform and the optimal contiguous layout for the median per-layer costs
+under static placement.
+
+Policies (one placement per MoE layer, the same in every group):
+
+  static   experts in index order, N / E per rank, never moved;
+  dynmo    re-places by measured load, with the layer controller's evidence rules: the forecast
+           is the per-expert median of the last `window` steps' loads (summed over the replicas,
+           over the groups); before every step each MoE layer's forecast optimum
+           (`dynmo.balance.experts.place_experts`, ranks renamed so that the fewest experts
+           move) is the candidate. It is proposed when, on each observed step (up to
+           EVIDENCE_STEPS), the simulated step time with the candidates against the current
+           placements gives relative savings that `dynmo.controller.evidence.supported`
+           accepts (significant against their own step-to-step variation, margin `min_gain`),
+           and moved to once `confirm` fresh steps, which played no part in choosing it, gain
+           `min_gain` on average and the evidence still holds, and when the saving per step on
+           the last `window` steps, over `horizon` steps, repays the move: `mig_fixed` + the largest bytes any rank of any
+           stage receives (16 B a parameter of each expert copy it gains: weights, gradients,
+           AdamW's two moments) / `mig_bandwidth` (the layer controller's priors), which is
+           charged before the step;
+  oracle   per step, each MoE layer's best placement for that step's own loads (summed over
+           the replicas), moves free: the bound in hindsight. With dp / E > 1 groups it
+           minimises the busiest rank of the summed loads, not of the slowest group.
+
+With `extra_slots` and `copies` the dynmo and oracle placements may copy hot experts (the copies
+split an expert's tokens evenly); static never does. With N = E (one expert per rank) and no
+copies every placement is the same up to renaming, and the three policies tie by construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from statistics import fmean
+
+import numpy as np
+
+from dynmo.balance import Problem, balance
+from dynmo.balance.experts import Placement, align, move_cost, place_experts, static_placement
+from dynmo.config import ModelConfig, MoEConfig
+from dynmo.controller.evidence import CONFIDENCE, EVIDENCE_STEPS, gains, supported
+from dynmo.controller.migration import MIGRATION_BANDWIDTH, MIGRATION_FIXED_S
+from dynmo.engine import SimInputError, StageTimes, simulate_plan, build_plan
+from dynmo.flops import attention_macs, mlp_macs
+from dynmo.layout import Layout
+from dynmo.sim.replay.options import ReplayOptions, schedule_of
+from dynmo.sim.trace import Trace
+
+POLICIES = ("static", "dynmo", "oracle")
+A2A_BANDWIDTH = 25e9  # bytes/s per rank: a 200 Gb/s link per GPU
+STATE_BYTES_PER_PARAM = 16  # fp32 weights, gradients, AdamW exp_avg and exp_avg_sq
+SPLITS = ("fit", "flops")
+CAPTURE_MIN_GAIN = 0.005  # below this oracle gain over static, a captured share says nothing
+
+
+@dataclass
+class ExpertOptions:
+    microbatches: int | None = None  # per replica per step; default the traced run's
+    extra_slots: int = 0  # expert slots per rank beyond N / E, for copies
+    copies: int = 0  # extra copies of hot experts allowed per layer (dynmo, oracle)
+    split: str = "fit"  # how a MoE layer's traced cost splits into its non-expert and expert parts
+    a2a_bandwidth: float = A2A_BANDWIDTH
+    a2a_latency: float = 0.0
+    window: int = 3  # forecast: median of the last `window` steps' loads
+    min_gain: float = 0.01  # the margin a saving must clear (relative step time)
+    horizon: int = 50  # steps over which a move's saving must repay its cost
+    confirm: int = 2  # fresh steps that confirm a proposal
+    confidence: float = CONFIDENCE
+    mig_fixed: float = MIGRATION_FIXED_S
+    mig_bandwidth: float = MIGRATION_BANDWIDTH
+    seed: int = 0
+
+    def check(self) -> None:
+        for name in ("extra_slots", "copies", "window", "horizon", "confirm", "seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name in ("window", "horizon") else 0):
+                raise SimInputError(f"{name} must be an integer >= {1 if name in ('window', 'horizon') else 0}, got {v!r}")
+        if self.microbatches is not None and (isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int)
+                                              or self.microbatches < 1):
+            raise SimInputError(f"microbatches must be an integer >= 1, got {self.microbatches!r}")
+        if self.split not in SPLITS:
+            raise SimInputError(f"split must be one of {', '.join(SPLITS)}, got {self.split!r}")
+        for name in ("a2a_bandwidth", "mig_bandwidth"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and np.isfinite(v) and v > 0):
+                raise SimInputError(f"{name} must be a number > 0 (bytes/s), got {v!r}")
+        for name in ("a2a_latency", "mig_fixed", "min_gain"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and np.isfinite(v) and v >= 0):
+                raise SimInputError(f"{name} must be a number >= 0, got {v!r}")
+        if self.copies and not self.extra_slots:
+            raise SimInputError(f"copies = {self.copies} need extra_slots >= 1 (room on the ranks for the copies)")
+
+
+@dataclass
+class ExpertPolicyResult:
+    policy: str
+    iteration_s: list[float] = field(default_factory=list)  # simulated step (slowest group)
+    overhead_s: list[float] = field(default_factory=list)  # migration charged before the step
+    busiest_ratio: list[float] = field(default_factory=list)  # per step: mean over MoE layers of busiest rank / mean rank
+    migrations: int = 0
+    moved_copies: int = 0
+    moved_bytes: float = 0.0
+    speedup: float | None = None  # static's total time over this one's
+    capture: float | None = None  # dynmo: share of the oracle's gain over static
+
+    @property
+    def total_s(self) -> float:
+        return float(sum(self.iteration_s) + sum(self.overhead_s))
+
+    @property
+    def migration_s(self) -> float:
+        return float(sum(self.overhead_s))
+
+    def as_dict(self) -> dict:
+        return {"policy": self.policy, "total_s": self.total_s, "speedup": self.speedup, "capture": self.capture,
+                "migrations": self.migrations, "moved_copies": self.moved_copies, "moved_bytes": self.moved_bytes,
+                "migration_s": self.migration_s, "mean_busiest_over_mean": float(np.mean(self.busiest_ratio)),
+                "iteration_s": self.iteration_s, "overhead_s": self.overhead_s}
+
+
+@dataclass
+class ExpertReplay:
+    results: dict[str, ExpertPolicyResult]
+    layout: list[int]  # the layer layout every policy ran
+    layout_name: str
+    split: dict  # the fit, the FLOP shares, which was used
+    shape: dict
+
+    @property
+    def capture(self) -> float | None:
+        return self.results["dynmo"].capture if "dynmo" in self.results else None
+
+    def as_dict(self) -> dict:
+        return {"shape": self.shape, "layout": self.layout, "layout_name": self.layout_name, "split": self.split,
+                "policies": {k: v.as_dict() for k, v in self.results.items()}}
+
+
+def moe_layers(trace: Trace) -> list[int]:
+    """The layers whose steps all carry `moe_tokens_per_expert`; SimInputError if none or if a step lacks them."""
+    steps = trace.steps
+    if not steps:
+        raise SimInputError("the trace has no steps")
+    first = (steps[0].stats or {}).get("moe_tokens_per_expert")
+    if not first or not any(v is not None for v in first):
+        raise SimInputError("the trace carries no moe_tokens_per_expert (no MoE layer's routing was recorded); "
+                            "replay a trace of a MoE run (model.block = \"moe\")")
+    layers = [i for i, v in enumerate(first) if v is not None]
+    n = len(first[layers[0]])
+    for s in steps:
+        st = s.stats or {}
+        for key in ("moe_tokens_per_expert", "moe_expert_rows", "moe_useful_rows", "moe_forwards"):
+            v = st.get(key)
+            if v is None or len(v) != trace.num_layers or any(v[i] is None for i in layers):
+                raise SimInputError(f"step {s.step} lacks {key} for the MoE layers {layers}")
+        if any(len(st["moe_tokens_per_expert"][i]) != n for i in layers):
+            raise SimInputError(f"step {s.step}: MoE layers route to different numbers of experts")
+    return layers
+
+
+def model_config(trace: Trace) -> ModelConfig:
+    """The traced model's config, from the trace header's summary (unknown keys ignored)."""
+    d = dict(trace.header.config.get("model") or {})
+    moe = MoEConfig(**{f.name: d["moe"][f.name] for f in fields(MoEConfig) if f.name in (d.get("moe") or {})})
+    known = {f.name for f in fields(ModelConfig)} - {"moe", "hashattn", "mod"}
+    return ModelConfig(**{k: v for k, v in d.items() if k in known}, moe=moe)
+
+
+def expert_params(m: ModelConfig) -> float:
+    """Weights of one expert's matrices (biases left out): one MLP's multiply-adds per token."""
+    return (mlp_macs(m) - m.d_model * m.moe.num_experts) / m.moe.top_k
+
+
+def _rows_per_mb(st: dict, i: int) -> tuple[float, float]:
+    """(padded expert rows, useful rows) per microbatch of layer i at a step."""
+    fw = max(float(st["moe_forwards"][i]), 1.0)
+    return float(st["moe_expert_rows"][i]) / fw, float(st["moe_useful_rows"][i]) / fw
+
+
+def fit_split(trace: Trace, layers: list[int]) -> dict:
+    """Least squares of a MoE layer's cost per microbatch on its padded rows per microbatch (module doc)."""
+    costs = trace.fwd() + trace.bwd()
+    x, y = [], []
+    for k, s in enumerate(trace.steps):
+        if k == 0 and len(trace.steps) > 1:
+            continue  # the warm-up step
+        for i in layers:
+            x.append(_rows_per_mb(s.stats, i)[0])
+            y.append(costs[k][i])
+    x, y = np.asarray(x), np.asarray(y)
+    out = {"points": int(x.size), "a": None, "b": None, "r2": None, "usable": False}
+    if x.size >= 3 and np.ptp(x) > 0:
+        a_mat = np.vstack([np.ones_like(x), x]).T
+        (a, b), *_ = np.linalg.lstsq(a_mat, y, rcond=None)
+        pred = a_mat @ np.array([a, b])
+        ss = float(((y - y.mean()) ** 2).sum())
+        out.update(a=float(a), b=float(b), r2=1 - float(((y - pred) ** 2).sum()) / ss if ss > 0 else None,
+                   usable=bool(a >= 0 and b > 0))
+    return out
+
+
+def flops_ratio(m: ModelConfig, tokens_per_mb: float) -> tuple[float, float]:
+    """(non-expert multiply-adds per microbatch, multiply-adds of one expert row)."""
+    return tokens_per_mb * (attention_macs(m) + m.d_model * m.moe.num_experts), expert_params(m)
+
+
+class _Model:
+    """The per-step inputs of the replay: traced costs split, replica loads drawn, plans built."""
+
+    def __init__(self, trace: Trace, stages: int, dp: int, ep: int, opts: ExpertOptions):
+        self.trace, self.opts, self.ep, self.dp = trace, opts, ep, dp
+        self.layers = moe_layers(trace)
+        st0 = trace.steps[0].stats
+        self.n = len(st0["moe_tokens_per_expert"][self.layers[0]])
+        if ep < 1 or isinstance(ep, bool):
+            raise SimInputError(f"ep must be an integer >= 1, got {ep!r}")
+        if self.n % ep:
+            raise SimInputError(f"ep = {ep} does not divide the {self.n} experts of a MoE layer; "
+                                f"choose a divisor of {self.n}")
+        if dp % ep:
+            raise SimInputError(f"ep = {ep} does not divide dp = {dp}: an EP group is ep data-parallel replicas")
+        self.groups = dp // ep
+        ropts = ReplayOptions(microbatches=opts.microbatches)
+        self.schedule, self.v = schedule_of(trace, ropts)
+        if stages % self.v:
+            raise SimInputError(f"{self.schedule} with {self.v} stages per rank needs a multiple of {self.v} stages")
+        if stages > trace.num_layers:
+            raise SimInputError(f"cannot split {trace.num_layers} layers into {stages} stages; scale the trace")
+        self.m = int(opts.microbatches or trace.header.microbatches)
+        self.plan = build_plan(self.schedule, stages // self.v, self.m, stages_per_rank=self.v)
+        self.fwd, self.bwd = trace.fwd(), trace.bwd()
+        cfg = model_config(trace)
+        self.d_model = cfg.d_model
+        dtype = (trace.header.config.get("train") or {}).get("dtype", "fp32")
+        self.elem_bytes = 2 if dtype == "bf16" else 4
+        self.expert_bytes = STATE_BYTES_PER_PARAM * expert_params(cfg)
+        # the split
+        fit = fit_split(trace, self.layers)
+        tokens_mb = float(st0["moe_useful_rows"][self.layers[0]]) / max(float(st0["moe_forwards"][self.layers[0]]), 1) \
+            / max(cfg.moe.top_k, 1)
+        fa, fb = flops_ratio(cfg, tokens_mb)
+        use = "fit" if opts.split == "fit" and fit["usable"] else "flops"
+        a, b = (fit["a"], fit["b"]) if use == "fit" else (fa, fb)
+        med_rows = float(np.median([_rows_per_mb(s.stats, i)[0] for s in trace.steps for i in self.layers]))
+        self.split = {"used": use, "fit": fit, "flops": {"non_expert_macs": fa, "row_macs": fb},
+                      "median_padded_rows": med_rows,
+                      "expert_share_fit": (fit["b"] * med_rows / (fit["a"] + fit["b"] * med_rows))
+                      if fit["usable"] else None,
+                      "expert_share_flops": fb * med_rows / (fa + fb * med_rows)}
+        steps = len(trace.steps)
+        L = len(self.layers)
+        self.share = np.zeros((steps, L))  # expert share of each MoE layer's traced cost
+        self.padded = np.zeros((steps, L))  # traced padded rows per microbatch
+        self.loads = np.zeros((steps, L, dp, self.n))  # per replica, one microbatch's assignments per expert
+        for k, s in enumerate(trace.steps):
+            st = s.stats
+            for j, i in enumerate(self.layers):
+                rows, useful = _rows_per_mb(st, i)
+                self.padded[k, j] = rows
+                self.share[k, j] = b * rows / (a + b * rows) if a + b * rows > 0 else 0.0
+                tok = np.asarray(st["moe_tokens_per_expert"][i], dtype=float)
+                p = tok / tok.sum() if tok.sum() > 0 else np.full(self.n, 1.0 / self.n)
+                n_mb = int(round(useful))
+                for r in range(dp):
+                    rng = np.random.default_rng([opts.seed, k, i, r])
+                    self.loads[k, j, r] = rng.multinomial(n_mb, p)
+        self.agg = self.loads.sum(axis=2)  # summed over the replicas: what placement decisions see
+        self._memo: dict = {}
+
+    def layer_times(self, k: int, placements: list[Placement], g: int) -> tuple[np.ndarray, np.ndarray, float]:
+        """Per-layer forward and backward seconds per microbatch of step k in group g, and the mean
+        over MoE layers of busiest rank / mean rank."""
+        f = self.fwd[k].copy()
+        bw = self.bwd[k].copy()
+        reps = self.loads[k, :, g * self.ep:(g + 1) * self.ep]  # [layer, replica in group, expert]
+        ratios = []
+        for j, i in enumerate(self.layers):
+            p = placements[j]
+            group_loads = reps[j].sum(axis=0)
+            rl = p.rank_loads(group_loads)
+            busiest = float(rl.max())
+            ratios.append(busiest / rl.mean() if rl.mean() > 0 else 1.0)
+            scale = busiest / self.padded[k, j] if self.padded[k, j] > 0 else 0.0
+            sh = self.share[k, j]
+            a2a = self.a2a_s(reps[j], p)
+            f[i] = f[i] * (1 - sh) + f[i] * sh * scale + 2 * a2a
+            bw[i] = bw[i] * (1 - sh) + bw[i] * sh * scale + 2 * a2a
+        return f, bw, float(np.mean(ratios))
+
+    def a2a_s(self, reps: np.ndarray, p: Placement) -> float:
+        """One all-to-all of a microbatch in a group: the largest rank's max(sent, received) rows."""
+        if self.ep == 1:
+            return 0.0
+        E = self.ep
+        # on[e, r]: the share of expert e's tokens that rank r computes
+        on = np.zeros((self.n, E))
+        for e, (rs, sh) in enumerate(zip(p.ranks, p.shares)):
+            for r, s in zip(rs, sh):
+                on[e, r] = s
+        # traffic[j, r]: rows replica j sends to rank r
+        traffic = reps @ on
+        sent = traffic.sum(axis=1) - np.diag(traffic)
+        recv = traffic.sum(axis=0) - np.diag(traffic)
+        rows = float(max(sent.max(), recv.max()))
+        return rows * self.d_model * self.elem_bytes / self.opts.a2a_bandwidth + self.opts.a2a_latency
+
+    def step_s(self, k: int, placements: list[Placement], layout: Layout) -> tuple[float, float]:
+        """(the slowest group's simulated iteration, mean busiest/mean over MoE layers and groups) of step k."""
+        key = (k, tuple(placements), layout.boundaries)
+        if key not in self._memo:
+            self._memo[key] = self._step_s(k, placements, layout)
+        return self._memo[key]
+
+    def _step_s(self, k: int, placements: list[Placement], layout: Layout) -> tuple[float, float]:
+        b = np.asarray(layout.boundaries[:-1])
+        worst, ratios = 0.0, []
+        for g in range(self.groups):
+            f, bw, ratio = self.layer_times(k, placements, g)
+            times = StageTimes.build(np.add.reduceat(f, b), np.add.reduceat(bw, b), self.m)
+            worst = max(worst, simulate_plan(self.plan, times, dp=1, split_bubble=False).iteration_time)
+            ratios.append(ratio)
+        return worst, float(np.mean(ratios))
+
+    def place(self, loads: np.ndarray, current: Placement) -> Placement:
+        res = place_experts(loads, self.ep, extra_slots=self.opts.extra_slots, copies=self.opts.copies)
+        return align(current, res.placement, self.expert_bytes)
+
+    def move(self, old: list[Placement], new: list[Placement], layout: Layout) -> tuple[float, int, float]:
+        """(seconds, copies moved, bytes) of changing placements: every stage's ranks receive in parallel."""
+        owner = np.repeat(np.arange(layout.num_stages), np.diff(layout.boundaries))
+        per_stage: dict[int, np.ndarray] = {}
+        count, total = 0, 0.0
+        for j, i in enumerate(self.layers):
+            mv = move_cost(old[j], new[j], self.expert_bytes)
+            if mv.count:
+                s = int(owner[i])
+                per_stage[s] = per_stage.get(s, np.zeros(self.ep)) + np.asarray(mv.bytes_per_rank)
+                count += mv.count
+                total += mv.bytes
+        if not count:
+            return 0.0, 0, 0.0
+        worst = max(float(v.max()) for v in per_stage.values())
+        return self.opts.mig_fixed + worst / self.opts.mig_bandwidth, count, total * self.groups
+
+
+def _layout(model: _Model, trace: Trace, stages: int) -> tuple[Layout, str]:
+    """The faster under static placement of uniform and the optimal layout of the median per-layer costs."""
+    static = [static_placement(model.n, model.ep)] * len(model.layers)
+    costs = []
+    for k in range(len(trace.steps)):
+        f, bw, _ = model.layer_times(k, static, 0)
+        costs.append(f + bw)
+    med = np.median(np.asarray(costs), axis=0)
+    cands = {"uniform": balance(Problem(costs=med.tolist(), stages=stages), "uniform").layout,
+             "optimal for the median costs": balance(Problem(costs=med.tolist(), stages=stages), "optimal").layout}
+    totals = {name: sum(model.step_s(k, static, lay)[0] for k in range(len(trace.steps))) for name, lay in cands.items()}
+    name = min(totals, key=lambda x: totals[x])
+    return cands[name], name
+
+
+def _run_static(model: _Model, layout: Layout, res: ExpertPolicyResult) -> None:
+    static = [static_placement(model.n, model.ep)] * len(model.layers)
+    for k in range(len(model.trace.steps)):
+        t, ratio = model.step_s(k, static, layout)
+        res.iteration_s.append(t)
+        res.overhead_s.append(0.0)
+        res.busiest_ratio.append(ratio)
+
+
+def _run_oracle(model: _Model, layout: Layout, res: ExpertPolicyResult) -> None:
+    static = [static_placement(model.n, model.ep)] * len(model.layers)
+    for k in range(len(model.trace.steps)):
+        pl = [model.place(model.agg[k, j], static[j]) for j in range(len(model.layers))]
+        t, ratio = min(model.step_s(k, pl, layout), model.step_s(k, static, layout))  # never worse than not moving
+        res.iteration_s.append(t)
+        res.overhead_s.append(0.0)
+        res.busiest_ratio.append(ratio)
+
+
+def _run_dynmo(model: _Model, layout: Layout, res: ExpertPolicyResult) -> None:
+    o = model.opts
+    nl = len(model.layers)
+    current = [static_placement(model.n, model.ep)] * nl
+    cur_times: dict[int, float] = {}  # step -> simulated time under the current placements
+    proposal: tuple[list[Placement], int] | None = None  # (placements, steps observed when proposed)
+    steps = len(model.trace.steps)
+
+    def times_of(pl: list[Placement], ks: list[int], memo: dict | None = None) -> list[float]:
+        out = []
+        for k in ks:
+            if memo is not None and k in memo:
+                out.append(memo[k])
+                continue
+            t = model.step_s(k, pl, layout)[0]
+            if memo is not None:
+                memo[k] = t
+            out.append(t)
+        return out
+
+    for k in range(steps):
+        overhead = 0.0
+        observed = list(range(max(0, k - EVIDENCE_STEPS), k))
+        if len(observed) >= o.window:
+            forecast = np.median(model.agg[k - o.window:k], axis=0)  # [layer, expert]
+            cand = [model.place(forecast[j], current[j]) for j in range(nl)]
+            cand = [c if c.busiest(forecast[j]) < current[j].busiest(forecast[j]) - 1e-9 else current[j]
+                    for j, c in enumerate(cand)]
+            old_t = times_of(current, observed, cur_times)
+            move_to = None
+            if proposal is not None:
+                prop, since = proposal
+                fresh = k - since
+                if fresh >= min(o.confirm, o.window):
+                    g = gains(old_t, times_of(prop, observed))
+                    if fmean(g[-fresh:]) > o.min_gain and supported(g, o.window, o.min_gain, o.confidence):
+                        move_to = prop
+                    proposal = None
+            if move_to is None and proposal is None and any(c is not cur for c, cur in zip(cand, current)):
+                g = gains(old_t, times_of(cand, observed))
+                if supported(g, o.window, o.min_gain, o.confidence):
+                    if o.confirm == 0:
+                        move_to = cand
+                    else:
+                        proposal = (cand, k)
+            if move_to is not None:
+                sec, count, nbytes = model.move(current, move_to, layout)
+                # the saving per step predicted on the forecast's own steps (the window), in seconds
+                w = slice(-o.window, None)
+                saving = fmean(gains(old_t[w], times_of(move_to, observed[w]))) * fmean(old_t[w])
+                if count and saving * o.horizon > sec:
+                    current, cur_times = move_to, {}
+                    overhead = sec
+                    res.migrations += 1
+                    res.moved_copies += count
+                    res.moved_bytes += nbytes
+        t, ratio = model.step_s(k, current, layout)
+        cur_times[k] = t
+        res.iteration_s.append(t)
+        res.overhead_s.append(overhead)
+        res.busiest_ratio.append(ratio)
+
+
+def replay_experts(trace: Trace, stages: int, dp: int, ep: int, options: ExpertOptions | None = None,
+                   policies: tuple[str, ...] = POLICIES, variants: dict[str, dict] | None = None) -> ExpertReplay:
+    """Replay the placement policies on `trace` at `stages` x `dp` with EP degree `ep` (module doc).
+
+    `variants` adds more runs of the dynmo policy under other names, each with some of its decision options
+    changed (`window`, `confirm`, `min_gain`, `horizon`, `confidence`), e.g. {"dynmo w1": {"window": 1,
+    "confirm": 0}}; their `capture` is against the same oracle. SimInputError for a trace without MoE routing
+    stats, an `ep` that does not divide the experts or dp, a bad option."""
+    opts = options or ExpertOptions()
+    opts.check()
+    variant_opts = {}
+    for name, over in (variants or {}).items():
+        bad = set(over) - {"window", "confirm", "min_gain", "horizon", "confidence"}
+        if bad or name in POLICIES:
+            raise SimInputError(f"variant {name!r}: only window, confirm, min_gain, horizon, confidence may change, "
+                                f"and its name must not be a policy's; got {sorted(over)}")
+        vo = ExpertOptions(**{**{f.name: getattr(opts, f.name) for f in fields(ExpertOptions)}, **over})
+        vo.check()
+        variant_opts[name] = vo
+    for p in policies:
+        if p not in POLICIES:
+            raise SimInputError(f"unknown placement policy {p!r}; choose from {', '.join(POLICIES)}")
+    model = _Model(trace, stages, dp, ep, opts)
+    layout, layout_name = _layout(model, trace, stages)
+    runs = {"static": _run_static, "dynmo": _run_dynmo, "oracle": _run_oracle}
+    results: dict[str, ExpertPolicyResult] = {}
+    for name in ("static", *[p for p in policies if p != "static"]):
+        results[name] = ExpertPolicyResult(name)
+        runs[name](model, layout, results[name])
+    for name, vo in variant_opts.items():
+        model.opts = vo
+        results[name] = ExpertPolicyResult(name)
+        _run_dynmo(model, layout, results[name])
+    model.opts = opts
+    ref = results["static"].total_s
+    for r in results.values():
+        r.speedup = ref / r.total_s if r.total_s > 0 else None
+    if "oracle" in results:
+        orc = results["oracle"].speedup
+        for name in ("dynmo", *variant_opts):
+            dyn = results[name].speedup if name in results else None
+            if orc is not None and dyn is not None and orc - 1 >= CAPTURE_MIN_GAIN:
+                results[name].capture = (dyn - 1) / (orc - 1)
+    if "static" not in policies:
+        del results["static"]
+    shape = {"stages": stages, "dp": dp, "ep": ep, "groups": model.groups, "microbatches": model.m,
+             "experts": model.n, "moe_layers": len(model.layers), "steps": len(trace.steps),
+             "extra_slots": opts.extra_slots, "copies": opts.copies, "schedule": model.schedule,
+             "a2a_bandwidth": opts.a2a_bandwidth, "expert_bytes": model.expert_bytes, "seed": opts.seed}
+    return ExpertReplay(results, list(layout.boundaries), layout_name, model.split, shape)

@@ -1,0 +1,121 @@
+"""dynmo.sim.replay.experts: the expert-parallel replay's split, loads, policies and refusals."""
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dynmo.balance.experts import static_placement
+from dynmo.engine import SimInputError
+from dynmo.sim.replay import experts as X
+from dynmo.sim.trace import load_trace
+
+TRACES = Path(__file__).resolve().parents[1] / "docs" / "bench" / "traces"
+
+
+@pytest.fixture(scope="module")
+def moe():
+    t = load_trace(TRACES / "moe-static.jsonl")
+    t.steps = t.steps[:12]  # short: the tests are about behaviour
+    return t
+
+
+def test_refuses_a_trace_without_routing():
+    with pytest.raises(SimInputError, match="moe_tokens_per_expert"):
+        X.replay_experts(load_trace(TRACES / "dense-80.jsonl"), 2, 2, 2)
+
+
+@pytest.mark.parametrize("ep, dp, match", [(3, 3, "does not divide the 8 experts"), (4, 2, "does not divide dp"),
+                                           (0, 2, "ep must be")])
+def test_refuses_bad_ep(moe, ep, dp, match):
+    with pytest.raises(SimInputError, match=match):
+        X.replay_experts(moe, 2, dp, ep)
+
+
+@pytest.mark.parametrize("opts, match", [(dict(copies=2), "extra_slots"), (dict(split="x"), "split"),
+                                         (dict(a2a_bandwidth=0), "a2a_bandwidth"), (dict(window=0), "window")])
+def test_refuses_bad_options(moe, opts, match):
+    with pytest.raises(SimInputError, match=match):
+        X.replay_experts(moe, 2, 2, 2, X.ExpertOptions(**opts))
+
+
+def test_fit_recovers_a_linear_cost():
+    t = load_trace(TRACES / "moe-static.jsonl")
+    t = copy.deepcopy(t)
+    a, b = 0.004, 2e-6
+    layers = X.moe_layers(t)
+    for s in t.steps:
+        for i in layers:
+            c = a + b * X._rows_per_mb(s.stats, i)[0]
+            s.fwd[i], s.bwd[i] = c / 3, 2 * c / 3
+    fit = X.fit_split(t, layers)
+    assert fit["usable"] and fit["a"] == pytest.approx(a) and fit["b"] == pytest.approx(b)
+    assert fit["r2"] == pytest.approx(1.0)
+
+
+def test_split_of_the_committed_traces_is_the_fit(moe):
+    m = X._Model(moe, 2, 2, 2, X.ExpertOptions())
+    assert m.split["used"] == "fit"
+    assert 0 < m.split["expert_share_fit"] < 1 and 0 < m.split["expert_share_flops"] < 1
+    assert np.all((m.share > 0) & (m.share < 1))
+    forced = X._Model(moe, 2, 2, 2, X.ExpertOptions(split="flops"))
+    assert forced.split["used"] == "flops" and not np.allclose(forced.share, m.share)
+
+
+def test_one_rank_computes_the_real_rows_without_padding(moe):
+    m = X._Model(moe, 2, 2, 1, X.ExpertOptions())
+    k = 3
+    f, bw, _ = m.layer_times(k, [static_placement(m.n, 1)] * len(m.layers), 0)
+    for j, i in enumerate(m.layers):
+        real = m.loads[k, j, 0].sum()  # one replica's assignments: no padding
+        sh = m.share[k, j]
+        want = m.fwd[k][i] * (1 - sh) + m.fwd[k][i] * sh * real / m.padded[k, j]
+        assert f[i] == pytest.approx(want)
+        assert f[i] < m.fwd[k][i]  # the traced layer was padded to its busiest expert
+    others = [i for i in range(moe.num_layers) if i not in m.layers]
+    assert np.allclose(f[others], m.fwd[k][others]) and np.allclose(bw[others], m.bwd[k][others])
+
+
+def test_replica_loads_deterministic_under_a_seed(moe):
+    a = X._Model(moe, 2, 4, 2, X.ExpertOptions(seed=5))
+    b = X._Model(moe, 2, 4, 2, X.ExpertOptions(seed=5))
+    c = X._Model(moe, 2, 4, 2, X.ExpertOptions(seed=6))
+    assert np.array_equal(a.loads, b.loads) and not np.array_equal(a.loads, c.loads)
+    # each replica draws one microbatch's assignments from the step's routing
+    st = moe.steps[2].stats
+    i = a.layers[0]
+    assert a.loads[2, 0].sum(axis=1) == pytest.approx([st["moe_useful_rows"][i] / st["moe_forwards"][i]] * 4)
+    r1 = X.replay_experts(moe, 2, 4, 2, X.ExpertOptions(seed=5))
+    r2 = X.replay_experts(moe, 2, 4, 2, X.ExpertOptions(seed=5))
+    assert r1.as_dict() == r2.as_dict()
+
+
+def test_policies_and_their_bounds(moe):
+    out = X.replay_experts(moe, 2, 4, 2, X.ExpertOptions(microbatches=4), variants={"w1": {"window": 1, "confirm": 0}})
+    s, d, o, w = (out.results[p] for p in ("static", "dynmo", "oracle", "w1"))
+    assert s.speedup == 1.0 and s.migrations == 0 and s.migration_s == 0
+    # the oracle's step is never slower than static's, step by step, and costs nothing to move
+    assert all(x <= y + 1e-12 for x, y in zip(o.iteration_s, s.iteration_s)) and o.migration_s == 0
+    for r in (d, w):
+        assert r.migrations == sum(1 for x in r.overhead_s if x > 0)
+        assert (r.moved_bytes > 0) == (r.migrations > 0)
+    assert out.layout[0] == 0 and out.layout[-1] == moe.num_layers
+
+
+def test_one_expert_per_rank_without_copies_ties():
+    t = load_trace(TRACES / "moe-static.jsonl")
+    t.steps = t.steps[:6]
+    out = X.replay_experts(t, 2, 8, 8, X.ExpertOptions(microbatches=4))
+    tot = [r.total_s for r in out.results.values()]
+    assert max(tot) == pytest.approx(min(tot))  # every placement is a renaming: nothing to gain
+    with_copies = X.replay_experts(t, 2, 8, 8, X.ExpertOptions(microbatches=4, extra_slots=1, copies=8))
+    assert with_copies.results["oracle"].total_s < with_copies.results["static"].total_s
+
+
+def test_all_to_all_counts_only_off_rank_rows(moe):
+    m = X._Model(moe, 2, 2, 2, X.ExpertOptions(a2a_bandwidth=1.0))
+    reps = np.array([[4, 0, 1, 0, 0, 0, 0, 3], [0, 2, 0, 0, 5, 0, 0, 0]], dtype=float)
+    p = static_placement(8, 2)  # experts 0-3 on rank 0, 4-7 on rank 1
+    # replica 0 sends 3 rows (expert 7) to rank 1; replica 1 sends 2 (expert 1) to rank 0
+    assert m.a2a_s(reps, p) == pytest.approx(3 * m.d_model * m.elem_bytes)
