@@ -84,7 +84,7 @@ class DynmoLoop:
                  stages_per_rank: int | None = None,
                  layer_bytes: list[int] | None = None, speeds: list[float] | None = None,
                  transfer: list[float] | None = None, transfer_back: list[float] | None = None,
-                 boundary_bytes: list[int] | None = None,
+                 boundary_bytes: list[int] | None = None, layer_flops: list[float] | None = None,
                  migration_fixed_s: float = MIGRATION_FIXED_S,
                  migration_bandwidth: float = MIGRATION_BANDWIDTH):
         check_balance(cfg)
@@ -95,7 +95,8 @@ class DynmoLoop:
         self.layer_bytes = list(layer_bytes) if layer_bytes else [BYTES_PER_PARAM * p for p in self.layer_params]
         self.controller = Controller(cfg, microbatches, schedule, stages_per_rank, speeds=speeds, transfer=transfer,
                                      transfer_back=transfer_back, boundary_bytes=boundary_bytes,
-                                     fixed_s=migration_fixed_s, bandwidth=migration_bandwidth)
+                                     fixed_s=migration_fixed_s, bandwidth=migration_bandwidth,
+                                     priors={"params": self.layer_params, "flops": layer_flops})
         self.profile_s = 0.0  # profiler bookkeeping since the last decision
 
     @property

@@ -96,6 +96,7 @@ class Trainer:
         self.loop = DynmoLoop(cfg.balance, microbatches=self.pipe.microbatches, schedule=cfg.parallel.schedule,
                               stages_per_rank=cfg.parallel.virtual_stages, layer_params=self.params, speeds=speeds,
                               transfer=transfer, transfer_back=transfer_back, boundary_bytes=self.boundary_bytes,
+                              layer_flops=plan.layer_flops(cfg),
                               layer_bytes=[int(bytes_per_param(cfg.parallel.shard, cfg.parallel.dp) * n) for n in self.params])
         if self.saved_costs and cfg.balance.cost == "time":
             self.loop.controller.history.append(list(self.saved_costs))  # the starting forecast

@@ -6,8 +6,12 @@ from tests.reference import tiny_config
 
 
 def test_uniform_params_and_explicit_initial_layouts():
-    cfg = tiny_config("--model.n_layers", "10", "--model.vocab_size", "4096")
+    cfg = tiny_config("--model.n_layers", "10", "--model.vocab_size", "4096", "--parallel.layout", "uniform")
     assert initial_layout(cfg, 3) == Layout.uniform(12, 3)
+    # the default: the FLOP model's layout (tests/test_flops.py)
+    flops = initial_layout(tiny_config("--model.n_layers", "10", "--model.vocab_size", "4096"), 3)
+    assert flops == initial_layout(tiny_config("--model.n_layers", "10", "--model.vocab_size", "4096",
+                                               "--parallel.layout", "flops"), 3)
     counts = layer_param_counts(cfg.model)
     assert initial_layout(cfg, 3, counts) == Layout.uniform(12, 3)
     assert counts[0] > counts[1] and counts[-1] > counts[1]  # big embedding and head

@@ -151,14 +151,14 @@ def test_oracle_window_defaults_to_the_controllers_window_and_confirmation():
 
 def test_the_start_reaches_the_dynamic_policies():
     """Each start puts the dynamic policies' first step on that static layout; default is the
-    layout a training run starts on (parallel.layout's default)."""
+    layout a training run starts on (parallel.layout's default, the FLOP model's layout)."""
     rng = np.random.default_rng(11)
     costs = np.tile(rng.uniform(0.2, 3.0, 12), (8, 1)) * 0.01
     costs[:, 1] *= 5  # profile-once moves away from uniform
     t = make_trace(costs)
-    statics = by_policy(replay(t, 5, 1, list(STATIC), ReplayOptions(**FREE)))
+    statics = by_policy(replay(t, 5, 1, [*STATIC, "flops"], ReplayOptions(**FREE)))
     assert len({tuple(statics[s].layouts[0]) for s in STATIC}) == 3  # three different starts
-    assert default_start() == "uniform" and set(STARTS) == {*STATIC, "default"}
+    assert default_start() == "flops" and set(STARTS) == {*STATIC, "flops", "default"}
     for start in STARTS:
         opts = ReplayOptions(initial=start, balance=replay_balance(when="every", every=1, window=1, min_gain=0.0),
                              **FREE)

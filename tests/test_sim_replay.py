@@ -126,7 +126,7 @@ def test_the_controller_does_not_take_a_layout_whose_simulated_step_is_slower():
     rng = np.random.default_rng(3)
     costs = np.tile(rng.uniform(0.2, 3.0, 14), (12, 1)) * 0.01
     t = make_trace(costs)
-    opts = ReplayOptions(balance=replay_balance(when="auto", window=1, min_gain=0.0), **FREE)
+    opts = ReplayOptions(balance=replay_balance(when="auto", window=1, min_gain=0.0), initial="uniform", **FREE)
     dyn, uni, orc = replay(t, 4, 1, ["optimal", "uniform", "oracle"], opts)
     minmax = balance(Problem(costs=costs[0].tolist(), stages=4), "optimal").boundaries
     assert list(minmax) not in dyn.layouts

@@ -10,7 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from statistics import median
 
-from dynmo.balance import Problem
+from dynmo.balance import BalanceError, Problem
 from dynmo.config import BalanceConfig
 from dynmo.controller import candidates, evidence, migration
 from dynmo.controller.evidence import CONFIRM
@@ -20,6 +20,7 @@ from dynmo.controller.repack import grow, repack
 from dynmo.controller.scoring import HistoryTimes, Scoring
 from dynmo.controller.steptime import StepModel
 from dynmo.layout import Layout
+from dynmo.plan import named_layout
 
 __all__ = ["CONFIRM", "JUDGE", "RESTART_S", "Controller", "Decision"]
 
@@ -85,6 +86,12 @@ class Controller(Scoring):
     repack_memo: dict = field(default_factory=dict, repr=False)  # re-packing: each observed step's best step time
     # the history's steps' predicted step times, each (step, layout) simulated once
     cache: HistoryTimes = field(default_factory=HistoryTimes, init=False, repr=False)
+    # auto: what was known of the layers before step 0, {"params": per-layer parameters, "flops":
+    # per-layer nominal multiply-adds} (either may be missing): their layouts and uniform's are
+    # candidates beside the balancer's, so that a start on one of them is judged against the
+    # others on measured steps rather than left for one noisy forecast's optimum
+    priors: dict = field(default_factory=dict)
+    prior_memo: dict = field(default_factory=dict, repr=False)  # stages -> the priors' layouts
 
     def __post_init__(self) -> None:
         if self.cfg.window < 1:
@@ -228,6 +235,8 @@ class Controller(Scoring):
         # the local search runs once a window; in between its last result stays a candidate
         search = self.observed % c.window == 0 or self.searched is None
         known = (self.searched,) if self.searched is not None and not search else ()
+        if c.when == "auto":
+            known = (*known, *self.prior_layouts(problem, current.num_stages))
         scored: dict[tuple, float] = {}  # the candidates' step times, current's included
 
         def steps_of(pr: Problem, layouts: list[Layout]) -> list[float]:
@@ -277,6 +286,21 @@ class Controller(Scoring):
         if rejected:
             self.proposal = None
         return None
+
+    def prior_layouts(self, problem: Problem, stages: int) -> tuple[Layout, ...]:
+        """uniform's layout and those of `priors` on `stages` stages, each within the memory cap."""
+        if stages not in self.prior_memo:
+            units = len(problem.costs)
+            lays = [named_layout("uniform", units, stages)] if units >= stages else []
+            for name, costs in self.priors.items():
+                if costs is not None and len(costs) == units >= stages:
+                    try:
+                        lays.append(named_layout(name, units, stages, layer_params=costs, flops=costs))
+                    except BalanceError:  # DeepSpeed's partition refuses problems beyond its size limit
+                        continue
+            self.prior_memo[stages] = tuple(dict.fromkeys(lays))
+        return tuple(lay for lay in self.prior_memo[stages]
+                     if all(m <= cap * (1 + 1e-9) for m, cap in zip(problem.memory_of_assignment(lay.owner()), problem.cap)))
 
     def confidence_now(self) -> float:
         """`balance.confidence` spread over the looks at the evidence since it last started afresh

@@ -67,6 +67,7 @@ from dynmo.config import Config, ConfigError, NoiseConfig
 from dynmo.dynamics.case import Case
 from dynmo.layout import Layout
 from dynmo.loop import DynmoLoop
+from dynmo.plan import initial_layout, layer_flops, num_layers
 from dynmo.record import StepRecord
 from dynmo.model import stats
 
@@ -204,9 +205,15 @@ def decisions_under_noise(cfg: Config, costs: list[float], steps: int) -> list[t
     read through the noise's own draws (`recorded_costs`): what a run of `cfg` with those costs
     injected (DYNMO_COSTS) decides, without running a model or reading this machine's timing."""
     draws, m = Draws(cfg.noise), cfg.train.microbatches
-    text = cfg.parallel.layout
-    layout = Layout.parse(text, len(costs)) if any(ch.isdigit() for ch in text) else Layout.uniform(len(costs), cfg.parallel.pp or 2)
-    loop = DynmoLoop(cfg.balance, microbatches=m, schedule=cfg.parallel.schedule, layer_params=[1] * len(costs))
+    text, stages = cfg.parallel.layout, cfg.parallel.pp or 2
+    if any(ch.isdigit() for ch in text):
+        layout = Layout.parse(text, len(costs))
+    else:  # a named layout, as the run lays it out before step 0 (params: the costs' own layers are alike)
+        layout = initial_layout(cfg, stages, [1] * len(costs)) if len(costs) == num_layers(cfg) \
+            else Layout.uniform(len(costs), stages)
+    flops = layer_flops(cfg) if len(costs) == num_layers(cfg) else None
+    loop = DynmoLoop(cfg.balance, microbatches=m, schedule=cfg.parallel.schedule, layer_params=[1] * len(costs),
+                     layer_flops=flops)
     moves = []
     for step in range(steps):
         d = loop.decide(step, layout, steps - step)

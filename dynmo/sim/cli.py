@@ -86,8 +86,8 @@ def _parser() -> ArgumentParser:
     r.add_argument("--policies", help="comma-separated: uniform, params, profile-once, optimal, deepspeed, "
                    "diffusion-contiguous, <balancer>+repack, oracle, oracle-window (default: all)")
     r.add_argument("--start", default="default",
-                   help="where the dynamic policies start: uniform, params, profile-once, or default (the layout a "
-                        "training run starts on, parallel.layout's default: uniform)")
+                   help="where the dynamic policies start: uniform, params, profile-once, flops, or default (the "
+                        "layout a training run starts on, parallel.layout's default: flops)")
     r.add_argument("--oracle-window", type=int, default=None,
                    help="oracle-window: steps per window (default: --window + --confirm)")
     r.add_argument("--scale-blocks", type=int, help="first scale the trace to N transformer blocks (scale_trace)")

@@ -36,8 +36,8 @@ iteration of the schedule with them. Policies:
                        controller that follows lasting changes; never below the best static
                        layout, never above the per-step oracle.
 
-The dynamic policies start on ReplayOptions.initial (uniform, params, profile-once, or default:
-the layout a training run starts on, `default_start`).
+The dynamic policies start on ReplayOptions.initial (uniform, params, profile-once, flops, or default:
+the layout a training run starts on, `default_start`: flops). `flops` also replays as a static policy.
 
 Every result carries its speedup over static uniform (`speedup`) and over the best static
 layout a careful user could pick (`speedup_vs_best_static`: the fastest total time among

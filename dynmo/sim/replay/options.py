@@ -14,12 +14,14 @@ from dynmo.engine import SimInputError, canonical_name, default_stages_per_rank
 from dynmo.loop import check_balance
 from dynmo.sim.trace import Trace
 
-STATIC = ("uniform", "params", "profile-once")
+STATIC = ("uniform", "params", "profile-once")  # the static layouts "best static" is the fastest of
+# static layouts known before step 0 beyond those: replayed when asked for, and a place to start
+PRIOR = ("flops",)
 DYNAMIC = ("optimal", "deepspeed", "diffusion-contiguous")
 ORACLES = ("oracle-window", "oracle")  # the bounds: per window of steps (migrations charged), per step (free)
 DEFAULT_POLICIES = (*STATIC, *DYNAMIC, *(f"{b}+repack" for b in DYNAMIC), *ORACLES)
 # where the dynamic policies start: a static layout, or "default", the layout a training run starts on
-STARTS = (*STATIC, "default")
+STARTS = (*STATIC, *PRIOR, "default")
 GRAD_BYTES_PER_PARAM = 4  # fp32 gradients in the data-parallel all-reduce
 PARAM_BYTES_PER_PARAM = 4  # fp32 parameters (and gradients) in the sharded runs' all-gathers (reduce-scatters)
 SHARDS = ("none", "optimizer", "full")  # the parallel.shard values, all modelled
@@ -35,12 +37,12 @@ def replay_balance(**knobs) -> BalanceConfig:
 
 def default_start() -> str:
     """The static layout a training run starts on when its config does not say: the default of
-    `parallel.layout` (`dynmo.plan.initial_layout` lays it out before step 0; "uniform" today).
+    `parallel.layout` (`dynmo.plan.initial_layout` lays it out before step 0; "flops").
     `ReplayOptions.initial = "default"` resolves to it, so the replay starts where a real run does."""
     start = ParallelConfig().layout.strip().lower()
-    if start not in STATIC:  # an explicit layout fits one model only; the replay cannot start there
+    if start not in (*STATIC, *PRIOR):  # an explicit layout fits one model only; the replay cannot start there
         raise SimInputError(f"parallel.layout defaults to {start!r}, which the replay cannot start from; "
-                            f"give one of {', '.join(STATIC)}")
+                            f"give one of {', '.join((*STATIC, *PRIOR))}")
     return start
 
 
@@ -63,7 +65,7 @@ class ReplayOptions:
     # the DynMo loop's knobs, as [balance] in a training config; each dynamic policy sets the
     # balancer and re-packing from its name (optimal+repack)
     balance: BalanceConfig = field(default_factory=replay_balance)
-    # where the dynamic policies start: uniform | params | profile-once | default (`default_start`:
+    # where the dynamic policies start: uniform | params | profile-once | flops | default (`default_start`:
     # the layout a training run starts on, `parallel.layout`'s default)
     initial: str = "default"
     profile_steps: int = PROFILE_STEPS  # profile-once: median of steps 1 .. profile_steps
@@ -142,13 +144,13 @@ def parse_policy(name: str) -> tuple[str, bool]:
     base, _, extra = name.partition("+")
     if extra not in ("", "repack"):
         raise SimInputError(f"unknown policy suffix in {name!r}; only +repack exists")
-    if base in ORACLES or base in STATIC:
+    if base in ORACLES or base in STATIC or base in PRIOR:
         if extra:
             raise SimInputError(f"{base} cannot re-pack; re-packing needs a dynamic policy (e.g. optimal+repack)")
         return base, False
     if base not in BALANCERS or not BALANCERS[base][1]:
         contiguous = sorted(b for b, (_, c) in BALANCERS.items() if c)
-        raise SimInputError(f"unknown policy {name!r}: use uniform, params, profile-once, oracle, oracle-window or "
+        raise SimInputError(f"unknown policy {name!r}: use uniform, params, profile-once, flops, oracle, oracle-window or "
                             f"a contiguous "
                             f"balancer ({', '.join(contiguous)}), optionally with +repack")
     return base, extra == "repack"

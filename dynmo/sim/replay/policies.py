@@ -10,14 +10,19 @@ from typing import Sequence
 import numpy as np
 
 from dynmo.balance import Problem, balance
+from dynmo.config import Config, ConfigError, apply_dict
 from dynmo.controller import candidates
+from dynmo.engine import SimInputError
+from dynmo.flops import block_halves_macs, head_macs
 from dynmo.layout import Layout
 from dynmo.loop import DynmoLoop
+from dynmo.plan import named_layout
 from dynmo.record import StepRecord
 from dynmo.sim.replay.options import ReplayOptions, start_layout_name
 from dynmo.sim.replay.result import PolicyResult
 from dynmo.sim.replay.runner import Runner
-from dynmo.sim.trace import Trace
+from dynmo.sim.trace import Trace, block_map
+from dynmo.sim.trace.kinds import block_groups
 
 
 def static_layout(name: str, trace: Trace, stages: int, runner: Runner) -> Layout:
@@ -27,7 +32,33 @@ def static_layout(name: str, trace: Trace, stages: int, runner: Runner) -> Layou
         links = runner.link_times(stages)
         return profile_once_layout(profile_costs(runner.observed, runner.opts.profile_steps), stages, links, links,
                                    runner.cut_factor)
+    if name == "flops":
+        return named_layout("flops", trace.num_layers, stages, flops=trace_flops(trace))
     return Layout(tuple(balance(Problem(costs=trace.header.params, stages=stages), "deepspeed").boundaries))
+
+
+def trace_flops(trace: Trace) -> list[float]:
+    """Each traced unit's nominal multiply-adds per token (`dynmo.flops`), from the model config in
+    the trace's header; a scaled trace's new blocks take their source blocks' (`block_map`)."""
+    model = trace.header.config.get("model") if isinstance(trace.header.config, dict) else None
+    if not isinstance(model, dict):
+        raise SimInputError("this trace's header records no model config, so its layers' FLOPs are unknown: "
+                            "start from uniform, params or profile-once, or trace the run with this dynmo")
+    cfg = Config()
+    try:
+        apply_dict(cfg, {"model": model})
+    except ConfigError as e:
+        raise SimInputError(f"the trace header's model config: {e}") from None
+    groups = block_groups(trace.header.kinds, "the flops layout")
+    per_block = [block_halves_macs(cfg.model, b) for b in range(cfg.model.n_layers)]
+    src = block_map(cfg.model.n_layers, len(groups[0]))
+    macs = [0.0] * trace.num_layers
+    for part, positions in enumerate(groups):
+        for j, pos in enumerate(positions):
+            a, f = per_block[src[j]]
+            macs[pos] = (a + f) if len(groups) == 1 else (a, f)[part]
+    macs[-1] = head_macs(cfg.model)
+    return macs
 
 
 def profile_costs(observed, profile_steps: int) -> np.ndarray:
@@ -226,11 +257,16 @@ def run_dynamic(trace: Trace, runner: Runner, stages: int, balancer: str, do_rep
     """The trainer's loop, on traced costs: decide before each step, observe after it."""
     h = trace.header
     links = runner.link_times(stages)  # the same each way: the engine's transfers are symmetric
+    try:
+        flops = trace_flops(trace)
+    except SimInputError:  # a trace without its model config: no flops candidate, as a run without one
+        flops = None
+
     def new_loop() -> DynmoLoop:
         lp = DynmoLoop(replace(opts.balance, balancer=balancer, repack=do_repack), microbatches=runner.m,
                        schedule=runner.schedule, stages_per_rank=runner.v, layer_params=h.params,
                        layer_bytes=runner.prior_bytes,
-                       transfer=links, transfer_back=links, boundary_bytes=h.boundary_bytes,
+                       transfer=links, transfer_back=links, boundary_bytes=h.boundary_bytes, layer_flops=flops,
                        migration_fixed_s=opts.migration_fixed_s, migration_bandwidth=opts.migration_bandwidth)
         lp.controller.restart_s = opts.restart_s
         return lp

@@ -6,7 +6,7 @@ from typing import Sequence
 
 from dynmo.balance import BalanceError
 from dynmo.engine import SimInputError
-from dynmo.sim.replay.options import ORACLES, STATIC, ReplayOptions, default_policies, parse_policy
+from dynmo.sim.replay.options import ORACLES, PRIOR, STATIC, ReplayOptions, default_policies, parse_policy
 from dynmo.sim.replay.policies import oracle_picks, run_dynamic, run_oracle, run_oracle_window, run_static, static_layout
 from dynmo.sim.replay.result import PolicyResult, capture
 from dynmo.sim.replay.runner import Runner
@@ -50,7 +50,7 @@ def replay(trace: Trace, stages: int | None = None, dp: int | None = None,
         if name in out or base in ORACLES:
             continue
         res = PolicyResult(name, tokens_per_step=tokens)
-        if base in STATIC:
+        if base in STATIC or base in PRIOR:
             run_static(trace, runner, static_layout(base, trace, stages, runner), res)
         else:
             run_dynamic(trace, runner, stages, base, rp, opts, res)
@@ -100,7 +100,7 @@ def replay(trace: Trace, stages: int | None = None, dp: int | None = None,
         r.best_static_second_half = best_half.policy
     for name, _, _ in parsed:
         r = out[name]
-        if name in STATIC or name in ORACLES:
+        if name in STATIC or name in PRIOR or name in ORACLES:
             continue
         for bound, attr in (("oracle", "capture_oracle"), ("oracle-window", "capture_oracle_window")):
             if bound in out:
