@@ -101,6 +101,31 @@ def check_shard(cfg: Config) -> None:
                           f"or interleaved1f1b, or {fix}")
 
 
+def check_expert_parallel(cfg: Config) -> None:
+    """`parallel.ep`: over how many data-parallel replicas the experts of every MoE layer spread."""
+    ep, dp, m = cfg.parallel.ep, cfg.parallel.dp, cfg.model
+    if type(ep) is not int or ep < 1:
+        raise ConfigError(f"parallel.ep = {ep!r}: use a whole number >= 1 (1 = no expert parallelism)")
+    if ep == 1:
+        return
+    if not (m.block == "moe" or m.family == "mixtral"):
+        raise ConfigError(f"parallel.ep = {ep} spreads the experts of MoE layers, and model.block = {m.block!r} has "
+                          "none: use model.block = \"moe\" or parallel.ep = 1")
+    if dp % ep:
+        raise ConfigError(f"parallel.ep = {ep} does not divide parallel.dp = {dp}: the experts spread over groups of "
+                          "parallel.ep data-parallel replicas")
+    if m.moe.num_experts % ep:
+        raise ConfigError(f"parallel.ep = {ep} does not divide moe.num_experts = {m.moe.num_experts}: every rank "
+                          "holds the same number of experts")
+    if cfg.parallel.shard != "none":
+        raise ConfigError(f"parallel.shard = {cfg.parallel.shard!r} with parallel.ep = {ep}: expert parallelism runs "
+                          "with parallel.shard = \"none\" for now")
+    for section, what in (("prune", "pruning"), ("freeze", "freezing")):
+        if getattr(cfg, section).enabled:
+            raise ConfigError(f"parallel.ep = {ep} does not work with {what} yet ({section}.enabled = true): it reads "
+                              f"or edits whole expert weights; use parallel.ep = 1")
+
+
 def validate(cfg: Config, world: int) -> list[str]:
     """Raise ConfigError naming the problem and the fix. `world` = number of ranks.
 
@@ -132,6 +157,7 @@ def validate(cfg: Config, world: int) -> list[str]:
         raise ConfigError(f"parallel.virtual_stages must be >= 1, got {v}")
     check_unit(cfg)
     check_shard(cfg)
+    check_expert_parallel(cfg)
     stages = pp * v
     n = num_layers(cfg)
     if stages > n:

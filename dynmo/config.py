@@ -124,6 +124,9 @@ class ParallelConfig:
     # "optimizer" (ZeRO-1: each keeps the AdamW state of its rows of every parameter) or "full"
     # (FSDP2: weights, gradients and AdamW state)
     shard: str = "none"
+    # Expert parallelism: the experts of every MoE layer spread over this many of a stage's
+    # data-parallel replicas (divides dp and moe.num_experts); 1 = every replica holds them all
+    ep: int = 1
     # Forced re-layouts: "STEP:LAYOUT" entries, applied before that step, e.g. "5:0,3,6,10".
     relayout: list[str] = field(default_factory=list)
     backend: str = "auto"  # auto (nccl with CUDA, else gloo) | gloo | nccl

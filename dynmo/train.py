@@ -69,7 +69,8 @@ def _run(cfg: Config, rank: int, restart: int) -> int:
     heartbeat = None
     writing = False  # the run folder is this run's: a failure's traceback may go into it
     try:
-        ctx = rdist.init(cfg.parallel.dp, cfg.parallel.pp, cfg.parallel.backend, cfg.parallel.timeout_s)
+        ctx = rdist.init(cfg.parallel.dp, cfg.parallel.pp, cfg.parallel.backend, cfg.parallel.timeout_s,
+                          cfg.parallel.ep)
         problem = failures.folder_verdict(cfg, ctx, restart)
         if problem:
             raise ConfigError(problem)

@@ -10,6 +10,8 @@ Hugging Face's `experts.{j}.w1.weight`).
 As in the GPT MoE block, the experts run padded to the busiest expert (one batched matmul over
 an [experts, rows, d_model] buffer), so the layer's measured time follows the routing imbalance
 the way expert-parallel hardware does; padding rows are zeros whose outputs are discarded.
+With expert parallelism (`parallel.ep` > 1) each rank holds only its experts' rows of the
+stacked weights and runs them on exactly the rows routed to them (`dynmo.model.moe`).
 The load-balancing loss (`moe.aux_loss_coef`) is this block's own Switch/Mixtral loss, carried
 into the backward pass by `attach_aux_loss`. (transformers adds one loss over all layers'
 router logits pooled, and only with `output_router_logits`; a pipeline stage sees only its own
@@ -39,6 +41,13 @@ class SwiGLUExperts(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.silu(torch.bmm(x, self.w1.transpose(1, 2))) * torch.bmm(x, self.w3.transpose(1, 2))
         return torch.bmm(h, self.w2.transpose(1, 2))
+
+    def one(self, j: int, x: torch.Tensor) -> torch.Tensor:
+        """Local expert j on its rows x [n, D] (expert parallelism, `dynmo.model.moe.dispatch_ep`)."""
+        x = x.unsqueeze(0)
+        w1, w2, w3 = self.w1[j : j + 1], self.w2[j : j + 1], self.w3[j : j + 1]
+        h = F.silu(torch.bmm(x, w1.transpose(1, 2))) * torch.bmm(x, w3.transpose(1, 2))
+        return torch.bmm(h, w2.transpose(1, 2))[0]
 
 
 class SparseMoE(nn.Module):

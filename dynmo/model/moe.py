@@ -21,10 +21,26 @@ outputs are discarded, so they change neither the result nor the gradients.
 
 Only active tokens (mask True) are routed; inactive ones get no MLP update.
 
+Expert parallelism (`parallel.ep` = P > 1, set up by `dynmo.runtime.experts`): the experts
+module then holds only its rank's num_experts/P experts (rows of the stacked weights) and an
+`ep` handle (its expert-parallel group). Routing stays per replica as above; the kept
+assignments, sorted by expert, go to the rank holding their expert by one all-to-all, each
+rank computes its local experts on exactly the rows it received (a loop over its local
+experts, one matmul each: no padding), and the outputs come back by the reverse all-to-all
+and are gate-weighted and summed as without it. Why no padding here: across ranks the layer
+already waits for the busiest rank in the all-to-all, so the imbalance is real and measured
+as it happens; padding every local expert to the busiest one would add made-up work to
+every rank on top of it. A loop rather than a padded buffer over the local experts keeps each
+rank's work equal to its real load (`expert_rows` counts it; `ep_rank_rows` lists the rows
+every rank of the group computed). Without expert parallelism (no `ep` handle) the code path
+is the padded one above, unchanged.
+
 Per-layer stats (`block.last_stats`, summed/averaged over the forwards since
 `block.reset_stats()`): tokens_per_expert (assignments before dropping), routing_imbalance
 (mean over forwards of max/mean expert load), expert_rows (padded rows computed: the cost),
-useful_rows, dropped, active_tokens, aux_loss (mean), forwards.
+useful_rows, dropped, active_tokens, aux_loss (mean), forwards; with expert parallelism
+expert_rows is the rows this rank computed and ep_rank_rows the rows each rank of its
+expert-parallel group computed.
 """
 
 from __future__ import annotations
@@ -55,6 +71,10 @@ class ExpertLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.baddbmm(self.bias.unsqueeze(1), x, self.weight)
 
+    def one(self, j: int, x: torch.Tensor) -> torch.Tensor:
+        """Local expert j on its rows x [n, in] (expert parallelism)."""
+        return torch.baddbmm(self.bias[j : j + 1].unsqueeze(1), x.unsqueeze(0), self.weight[j : j + 1])[0]
+
 
 class Experts(nn.Module):
     """E GELU MLPs, each the size of the dense block's MLP (names mirror `MLP` for the init)."""
@@ -67,6 +87,10 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.drop(self.proj(F.gelu(self.fc(x))))
+
+    def one(self, j: int, x: torch.Tensor) -> torch.Tensor:
+        """Local expert j on its rows x [n, D] (expert parallelism)."""
+        return self.drop(self.proj.one(j, F.gelu(self.fc.one(j, x))))
 
 
 @dataclass
@@ -146,10 +170,48 @@ def dispatch(x: torch.Tensor, r: Routing, experts: nn.Module, num_experts: int) 
     return out.new_zeros(x.shape).index_add(0, r.token, out)
 
 
-def routing_stats(r: Routing, aux: torch.Tensor, n_active: int, num_experts: int) -> dict:
+def dispatch_ep(x: torch.Tensor, r: Routing, experts: nn.Module, num_experts: int) -> tuple[torch.Tensor, list[int]]:
+    """Expert parallelism (see the module docstring): the kept assignments go to the ranks of
+    their experts by all-to-all (`experts.ep`: the group's handle), each rank runs its local
+    experts exactly on the rows it received, and the outputs come back the same way. Returns
+    the gate-weighted sum [N, D] and the rows each rank of the group computed."""
+    ep = experts.ep
+    P, E = ep.size, num_experts
+    L = E // P
+    order = torch.argsort(r.expert, stable=True)  # grouped by expert: by destination rank, then expert
+    expert, token, weight = r.expert[order], r.token[order], r.weight[order]
+    counts = torch.bincount(expert, minlength=E)  # this replica's kept assignments per expert
+    table = ep.gather_counts(counts)  # [P, E]: every rank's, the same on all of them
+    send = counts.view(P, L).sum(1).tolist()
+    mine = table[:, ep.rank * L : (ep.rank + 1) * L]  # [P, L]: rows from each source per local expert
+    recv = mine.sum(1).tolist()
+    xs = ep.all_to_all(x[token], send, recv)  # by source rank, then local expert
+    local = torch.repeat_interleave(torch.arange(L).repeat(P), mine.reshape(-1)).to(x.device)
+    rows = [(local == j).nonzero().squeeze(1) for j in range(L)]
+    ys = [experts.one(j, xs[rows[j]]) for j in range(L)]
+    y = ys[0].new_zeros(xs.shape[0], ys[0].shape[1]).index_copy(0, torch.cat(rows), torch.cat(ys))
+    back = ep.all_to_all(y, recv, send)  # in the order the rows were sent
+    out = back * weight[:, None]  # promoted as in `dispatch`
+    per_rank = table.view(P, P, L).sum(dim=(0, 2)).tolist()
+    return out.new_zeros(x.shape).index_add(0, token, out), per_rank
+
+
+def routing_stats(r: Routing, aux: torch.Tensor, n_active: int, num_experts: int,
+                  ep_rank_rows: list[int] | None = None) -> dict:
     """One forward's routing figures for `StepStats.add` (see the module docstring)."""
     loads = r.loads.tolist()
     mean = sum(loads) / len(loads)
+    if ep_rank_rows is not None:  # expert parallelism: this rank's exact rows, and every rank's
+        return dict(
+            tokens_per_expert=loads,
+            routing_imbalance=max(loads) / mean if mean else 1.0,
+            expert_rows=ep_rank_rows[0],
+            ep_rank_rows=ep_rank_rows[1],
+            useful_rows=int(r.expert.numel()),
+            dropped=sum(loads) - int(r.expert.numel()),
+            active_tokens=n_active,
+            aux_loss=float(aux),
+        )
     return dict(
         tokens_per_expert=loads,
         routing_imbalance=max(loads) / mean if mean else 1.0,
@@ -174,7 +236,7 @@ def routing_summary(s: StepStats) -> dict:
         "active_tokens": s.sums["active_tokens"],
         "aux_loss": s.mean("aux_loss"),
         "forwards": s.forwards,
-    }
+    } | ({"ep_rank_rows": s.sums["ep_rank_rows"]} if "ep_rank_rows" in s.sums else {})
 
 
 def sparse_mlp(h: torch.Tensor, mask: torch.Tensor, router: nn.Module, experts: nn.Module, opts: MoEOptions,
@@ -186,10 +248,16 @@ def sparse_mlp(h: torch.Tensor, mask: torch.Tensor, router: nn.Module, experts: 
     active = mask.reshape(-1).nonzero().squeeze(1)
     routed = h[active]
     r = route(router(routed), opts)
-    y = h.new_zeros(h.shape).index_copy(0, active, dispatch(routed, r, experts, opts.num_experts))
+    ep_rows = None
+    if getattr(experts, "ep", None) is None:
+        out = dispatch(routed, r, experts, opts.num_experts)
+    else:
+        out, per_rank = dispatch_ep(routed, r, experts, opts.num_experts)
+        ep_rows = (per_rank[experts.ep.rank], per_rank)
+    y = h.new_zeros(h.shape).index_copy(0, active, out.to(h.dtype) if ep_rows else out)
     aux = aux_loss(r, opts.num_experts)
     with torch.no_grad():
-        stats.add(**routing_stats(r, aux, routed.shape[0], opts.num_experts))
+        stats.add(**routing_stats(r, aux, routed.shape[0], opts.num_experts, ep_rows))
     return y.view(B, T, D), aux
 
 

@@ -6,7 +6,11 @@ a run can resume under any layout, number of stages or schedule. With `parallel.
 "optimizer"` each data-parallel replica holds its rows of the AdamW moments and stores them as
 one DTensor sharded over its data-parallel group (`dynmo.runtime.zero.stored`): the key is the
 same whole tensor, which DCP reshards on load, so a sharded run resumes unsharded, on another
-number of replicas, and the other way round. `dynmo.json` beside the
+number of replicas, and the other way round. Under expert parallelism (`parallel.ep` > 1)
+each rank holds its experts' rows of every stacked expert weight and stores them, with their
+AdamW state, the same way, sharded over its expert-parallel group (`dynmo.runtime.experts`):
+the keys are those of a run without it, so a run resumes under another `parallel.ep` (or
+none) and exports unchanged. `dynmo.json` beside the
 shards records the step, the model shape and the layout it was saved with.
 
 Tied embeddings (`model.tie_embeddings`) are one tensor with a copy on each of two ranks
@@ -33,7 +37,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dynmo import rundir
 from dynmo.config import Config, to_toml
-from dynmo.runtime import faults, optim, safeload, zero
+from dynmo.runtime import experts, faults, optim, safeload, zero
 from dynmo.runtime.pipeline import Pipeline
 
 
@@ -57,13 +61,14 @@ def _state_dict(pipe: Pipeline, with_optim: bool) -> dict[str, torch.Tensor]:
     for i in sorted(pipe.layers):
         layer = pipe.layers[i]
         for k, v in layer.state_dict().items():
-            sd.setdefault(_key(pipe, i, k), v)
+            sd.setdefault(_key(pipe, i, k), experts.stored(pipe.ctx, k, v))
         if with_optim:
             for pname, p in layer.named_parameters():
                 st = pipe.optimizer.state.get(p)
                 if st:
                     for key in optim.STATE_KEYS:
-                        sd.setdefault(f"optim.{_key(pipe, i, pname)}.{key}", zero.stored(pipe.optimizer, p, st[key]))
+                        sd.setdefault(f"optim.{_key(pipe, i, pname)}.{key}",
+                                      experts.stored(pipe.ctx, pname, zero.stored(pipe.optimizer, p, st[key])))
     return sd
 
 

@@ -1,4 +1,9 @@
-"""Process groups: a (dp x pp) DeviceMesh; gloo on CPU, NCCL when CUDA is present."""
+"""Process groups: a (dp x pp) DeviceMesh; gloo on CPU, NCCL when CUDA is present.
+
+With expert parallelism (`parallel.ep` = E > 1) each pipeline position's dp replicas also form
+dp/E expert-parallel groups of E consecutive replicas (the experts of every MoE layer are spread
+over them, `dynmo.runtime.experts`) and E expert-replica groups of the dp/E replicas that hold
+the same experts (their expert gradients are averaged there)."""
 
 from __future__ import annotations
 
@@ -26,6 +31,12 @@ class DistContext:
     # Ranks still training (all, until re-packing releases some) and their group.
     active_group: dist.ProcessGroup
     active_ranks: list[int] | None = None  # global ranks, ascending; None = all
+    # expert parallelism: E, this rank's index in its expert-parallel group, that group (None when
+    # E = 1), and the group of the replicas holding the same experts (None when E = dp)
+    ep: int = 1
+    ep_rank: int = 0
+    ep_group: dist.ProcessGroup | None = None
+    ep_replica_group: dist.ProcessGroup | None = None
 
     @property
     def active_world(self) -> int:
@@ -68,11 +79,24 @@ class DistContext:
         if self.dp > 1:
             dp_group = group([ranks_of[r][j] for r in range(self.dp)])
         active_group = group(active) if len(active) < self.world else dist.group.WORLD
+        ep_group, ep_replica_group = (_expert_groups(self.dp, self.ep, self.dp_rank,
+                                                     lambda r: ranks_of[r][j], group) if self.ep > 1 else (None, None))
         return DistContext(
             rank=self.rank, world=self.world, device=self.device, backend=self.backend, dp=self.dp,
             pp=len(keep), dp_rank=self.dp_rank, pp_rank=j, pp_group=pp_group, dp_group=dp_group,
-            active_group=active_group, active_ranks=active,
+            active_group=active_group, active_ranks=active, ep=self.ep, ep_rank=self.ep_rank,
+            ep_group=ep_group, ep_replica_group=ep_replica_group,
         )
+
+
+def _expert_groups(dp: int, ep: int, dp_rank: int, global_of, group) -> tuple:
+    """(this rank's expert-parallel group, its expert-replica group or None) at one pipeline
+    position, `global_of(replica)` the global rank of each replica there. `group(ranks)` makes a
+    group; only this rank's two are made (the groups of other positions are other ranks')."""
+    block = dp_rank // ep
+    ep_group = group([global_of(r) for r in range(block * ep, (block + 1) * ep)])
+    replica_group = group([global_of(r) for r in range(dp_rank % ep, dp, ep)]) if dp > ep else None
+    return ep_group, replica_group
 
 
 def choose_backend(requested: str) -> str:
@@ -83,7 +107,7 @@ def choose_backend(requested: str) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init(dp: int, pp: int, backend: str = "auto", timeout_s: float = 300.0) -> DistContext:
+def init(dp: int, pp: int, backend: str = "auto", timeout_s: float = 300.0, ep: int = 1) -> DistContext:
     """Join the torchrun job and build the (dp, pp) mesh. Rank r is replica r // pp, stage r % pp.
 
     `timeout_s` bounds how long any collective or point-to-point operation waits for a peer
@@ -114,6 +138,21 @@ def init(dp: int, pp: int, backend: str = "auto", timeout_s: float = 300.0) -> D
     if dp * pp != world:
         raise RuntimeError(f"parallel.dp={dp} x parallel.pp={pp} = {dp * pp} ranks, but torchrun started {world}")
     mesh = init_device_mesh(device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
+    ep_group = ep_replica_group = None
+    if ep > 1:
+        if dp % ep:
+            raise RuntimeError(f"parallel.ep={ep} does not divide parallel.dp={dp}")
+        # every rank makes every group, in one global order (new_group is collective over the world)
+        mine = (rank // pp, rank % pp)
+        for position in range(pp):
+            for block in range(dp // ep):
+                g = dist.new_group([r * pp + position for r in range(block * ep, (block + 1) * ep)])
+                if mine[1] == position and mine[0] // ep == block:
+                    ep_group = g
+            for e in range(ep) if dp > ep else ():
+                g = dist.new_group([r * pp + position for r in range(e, dp, ep)])
+                if mine[1] == position and mine[0] % ep == e:
+                    ep_replica_group = g
     return DistContext(
         rank=rank,
         world=world,
@@ -126,4 +165,8 @@ def init(dp: int, pp: int, backend: str = "auto", timeout_s: float = 300.0) -> D
         pp_group=mesh.get_group("pp"),
         dp_group=mesh.get_group("dp") if dp > 1 else None,
         active_group=dist.group.WORLD,
+        ep=ep,
+        ep_rank=(rank // pp) % ep,
+        ep_group=ep_group,
+        ep_replica_group=ep_replica_group,
     )

@@ -15,6 +15,7 @@ from dynmo.config import ModelConfig
 from dynmo.model.layers import LayerSpec, layer_class, tag_layer
 from dynmo.runtime import optim
 from dynmo.runtime.dist import DistContext
+from dynmo.runtime.experts import is_expert_param
 
 
 def local_grads(layers: dict[int, nn.Module]) -> list[torch.Tensor]:
@@ -35,15 +36,33 @@ def scale_grads(layers: dict[int, nn.Module], microbatches: int) -> None:
 
 
 def sync_data_parallel(layers: dict[int, nn.Module], ctx: DistContext) -> None:
-    """Average the gradients over the data-parallel replicas (one flat all-reduce)."""
+    """Average the gradients over the data-parallel replicas (one flat all-reduce).
+
+    With expert parallelism (`parallel.ep` > 1) the expert gradients are summed only over the
+    replicas that hold the same experts (each already sums its expert-parallel group's
+    contributions, `dynmo.runtime.experts`), and divided by dp as well: the mean over the
+    replicas, as without it. Every other gradient is averaged over the whole group."""
     if ctx.dp_group is None:
         return
-    grads = local_grads(layers)
+    if ctx.ep > 1:
+        expert = [p.grad for i in sorted(layers) for n, p in layers[i].named_parameters()
+                  if p.grad is not None and is_expert_param(n)]
+        other = [p.grad for i in sorted(layers) for n, p in layers[i].named_parameters()
+                 if p.grad is not None and not is_expert_param(n)]
+        _average(other, ctx.dp_group, ctx.dp)
+        _average(expert, ctx.ep_replica_group, ctx.dp)
+        return
+    _average(local_grads(layers), ctx.dp_group, ctx.dp)
+
+
+def _average(grads: list[torch.Tensor], group, n: int) -> None:
+    """Sum `grads` over `group` (no group: this rank's alone) in one flat all-reduce, divided by n."""
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=ctx.dp_group)
-    flat.div_(ctx.dp)
+    if group is not None:
+        dist.all_reduce(flat, group=group)
+    flat.div_(n)
     off = 0
     for g in grads:
         g.copy_(flat[off : off + g.numel()].view_as(g))
@@ -81,17 +100,26 @@ class NormSlots:
                 self.slots[unit][n] = self.size
                 self.size += 1
 
-    def layer_norms(self, layers: dict[int, nn.Module], tie, device: torch.device) -> torch.Tensor:
+    def layer_norms(self, layers: dict[int, nn.Module], tie, device: torch.device,
+                    ep_group: dist.ProcessGroup | None = None) -> torch.Tensor:
         """This rank's part of the per-model-layer squared norms; with split units, the
         per-parameter squared norms and whether each is present, appended (summed over the
-        pipeline ranks, then folded by `fold`)."""
+        pipeline ranks, then folded by `fold`). `ep_group`: expert parallelism's group, over
+        which each expert parameter's squared norm is summed first (each rank holds its rows)."""
         sq = torch.zeros(self.num_layers + 2 * self.size, dtype=torch.float32, device=device)
+        if ep_group is not None:
+            per_param = _expert_summed({i: optim.param_sq_norms(layer, tie.norm_skip(i) if tie is not None else ())
+                                        for i, layer in layers.items()}, ep_group, device)
         for i, layer in layers.items():
             skip = tie.norm_skip(i) if tie is not None else ()
             if i not in self.slots:
-                sq[self.unit_layer[i]] = optim.layer_sq_norm(layer, skip).to(device)
+                if ep_group is None:
+                    sq[self.unit_layer[i]] = optim.layer_sq_norm(layer, skip).to(device)
+                elif per_param[i]:
+                    sq[self.unit_layer[i]] = torch.stack(list(per_param[i].values())).sum().to(device)
                 continue
-            for n, norm in optim.param_sq_norms(layer, skip).items():
+            norms = optim.param_sq_norms(layer, skip) if ep_group is None else per_param[i]
+            for n, norm in norms.items():
                 k = self.num_layers + 2 * self.slots[i][n]
                 sq[k] = norm.to(device)
                 sq[k + 1] = 1.0
@@ -111,13 +139,26 @@ class NormSlots:
         return out
 
 
+def _expert_summed(norms: dict[int, dict[str, torch.Tensor]], group: dist.ProcessGroup,
+                   device: torch.device) -> dict[int, dict[str, torch.Tensor]]:
+    """`norms` ({layer: {parameter: squared norm}}) with every expert parameter's summed over
+    the expert-parallel group (one all-reduce; the group's ranks hold the same layers)."""
+    keys = [(i, n) for i in sorted(norms) for n in norms[i] if is_expert_param(n)]
+    if keys:
+        v = torch.stack([norms[i][n] for i, n in keys]).to(device)
+        dist.all_reduce(v, group=group)
+        for (i, n), x in zip(keys, v):
+            norms[i][n] = x
+    return norms
+
+
 def clip_grads(layers: dict[int, nn.Module], slots: NormSlots, tie, ctx: DistContext, max_norm: float,
                sharded: bool = False) -> tuple[float, float]:
     """(the whole model's gradient norm, the clipping scale applied). `tie`: the tied
     embeddings' bookkeeping, or None (a tied tensor counts once). `sharded`: each data-parallel
     replica holds its shard of every gradient (`parallel.shard = "full"`), whose squared norms
     add up over the replicas."""
-    sq = slots.layer_norms(layers, tie, ctx.device)
+    sq = slots.layer_norms(layers, tie, ctx.device, ctx.ep_group if ctx.ep > 1 else None)
     if sharded and ctx.dp_group is not None:
         dist.all_reduce(sq, group=ctx.dp_group)
     if ctx.pp > 1:

@@ -5,7 +5,9 @@ A layer travels as one `Packet` (`dynmo.runtime.transfer`): its weights (`w.`), 
 (`x.<case>.`). The receiver builds the layer empty from its spec, lets the cases shape it
 (`prepare_layer`: e.g. an exit classifier), then loads everything. Of a sharded layer
 (`parallel.shard = "full"`, `dynmo.runtime.fsdp`) each replica ships its own shards to the
-same replica of the new stage.
+same replica of the new stage; so does each replica's share of the experts under expert
+parallelism (`parallel.ep`, `dynmo.runtime.experts`): the pipeline group is the replica's, so
+the receiver is the same data-parallel index of the new stage, and it holds the same experts.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch.nn as nn
 from dynmo.config import ModelConfig
 from dynmo.layout import Layout
 from dynmo.model.layers import LayerSpec, empty_layer
-from dynmo.runtime import faults, fsdp
+from dynmo.runtime import experts, faults, fsdp
 from dynmo.runtime.dist import DistContext
 from dynmo.runtime.transfer import Packet, recv_packet, send_packet
 
@@ -59,11 +61,15 @@ def pack_layer(layer: nn.Module, spec: LayerSpec, state: dict, extras: list) -> 
 
 
 def unpack_layer(pkt: Packet, model: ModelConfig, device: torch.device, extras: list,
-                 mesh=None) -> tuple[nn.Module, dict]:
+                 mesh=None, ep=None) -> tuple[nn.Module, dict]:
     """(layer, optimizer state) rebuilt from a packet (its spec is `pkt.header["spec"]`); with a
-    `mesh` (`parallel.shard = "full"`), sharded over it from this replica's shards."""
+    `mesh` (`parallel.shard = "full"`), sharded over it from this replica's shards; with an
+    expert-parallel handle `ep`, holding this rank's experts (what the same replica shipped)."""
     spec: LayerSpec = pkt.header["spec"]
-    layer = empty_layer(spec, model, device) if mesh is None else fsdp.empty_sharded(spec, model, device, mesh)
+    if mesh is None:
+        layer = experts.localize(empty_layer(spec, model, device), ep)
+    else:
+        layer = fsdp.empty_sharded(spec, model, device, mesh)
     for ex in extras:  # structure first (e.g. an exit classifier), so the weights fit
         ex.prepare_layer(spec.index, layer)
     weights = {k[2:]: v for k, v in pkt.tensors.items() if k.startswith("w.")}
@@ -92,7 +98,7 @@ def unpack_layer(pkt: Packet, model: ModelConfig, device: torch.device, extras: 
 
 def exchange_layers(specs: list[LayerSpec], layers: dict[int, nn.Module], states: dict[int, dict], src_rank: list[int],
                     dst_rank: list[int], old: Layout, new: Layout, ctx: DistContext, model: ModelConfig, extras: list,
-                    report: MigrationReport, mesh=None) -> None:
+                    report: MigrationReport, mesh=None, ep=None) -> None:
     """Ship every layer whose rank changes from `src_rank` to `dst_rank`, with its optimizer
     `states`; `layers`, `states` and `specs` are updated in place, the moves and the bytes
     received recorded in `report`. Call on every rank of the pipeline group: every rank walks
@@ -115,4 +121,4 @@ def exchange_layers(specs: list[LayerSpec], layers: dict[int, nn.Module], states
             report.bytes += pkt.nbytes  # counted where received: a released sender leaves
             spec = pkt.header["spec"]
             specs[spec.index] = spec  # before the layer is built: the cases shape it from its spec
-            layers[i], states[i] = unpack_layer(pkt, model, dev, extras, mesh)
+            layers[i], states[i] = unpack_layer(pkt, model, dev, extras, mesh, ep)

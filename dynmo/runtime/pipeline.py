@@ -22,7 +22,7 @@ from dynmo.layout import Layout, LayoutError
 from dynmo.model.gpt import loss_fn
 from dynmo.model.hf import HFReader, load_layer
 from dynmo.model.layers import LayerSpec, build_layer, empty_layer, half_carry, layer_specs
-from dynmo.runtime import fsdp, grads, optim, zero
+from dynmo.runtime import experts, fsdp, grads, optim, zero
 from dynmo.runtime.dist import DistContext
 from dynmo.runtime.memory import PeakMemory
 from dynmo.runtime.schedules import schedule_class
@@ -78,6 +78,8 @@ class Pipeline:
         self.hf_read: tuple[int, int] | None = None  # tensors and bytes read from model.hf_path
         # parallel.shard = "full": every unit sharded over this stage's replicas (dynmo.runtime.fsdp)
         self.mesh = fsdp.mesh_of(ctx.dp_group, ctx.device) if cfg.parallel.shard == "full" else None
+        # parallel.ep > 1: every MoE layer keeps only this rank's experts (dynmo.runtime.experts)
+        self.ep = experts.group_of(ctx)
         self.layers: dict[int, nn.Module] = self._build_layers(self._my_layers(layout))
         self.tie = tied_embeddings(cfg.model, self.specs, ctx, self.placement)  # None unless model.tie_embeddings
         self.optimizer = self._new_optimizer()
@@ -94,6 +96,7 @@ class Pipeline:
         m, dev = self.cfg.model, self.ctx.device
 
         def placed(layer: nn.Module) -> nn.Module:
+            layer = experts.localize(layer, self.ep)  # built whole (the same weights), then this rank's experts
             return layer if self.mesh is None else fsdp.shard(layer, self.mesh)
 
         if not m.hf_path:
@@ -235,7 +238,7 @@ class Pipeline:
         t0 = time.perf_counter()
         states = self.optimizer_states()
         exchange_layers(self.specs, self.layers, states, self.layer_ranks(old), dst_rank, old, new, self.ctx,
-                        self.cfg.model, self.layer_extras, report, mesh=self.mesh)
+                        self.cfg.model, self.layer_extras, report, mesh=self.mesh, ep=self.ep)
         self.layout = new
         if repack:
             stay = self.ctx.shrink_ranks(keep)
@@ -247,6 +250,10 @@ class Pipeline:
                 report.seconds = time.perf_counter() - t0
                 return report
             self.ctx = ctx
+            if self.ep is not None:  # the expert-parallel groups of the shrunk job
+                self.ep = experts.group_of(ctx)
+                for layer in self.layers.values():
+                    experts.rebind(layer, self.ep)
             if self.mesh is not None:  # layers arriving later shard over the new group
                 self.mesh = fsdp.mesh_of(ctx.dp_group, ctx.device)
             self.num_stages = new.num_stages

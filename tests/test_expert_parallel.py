@@ -1,0 +1,141 @@
+"""Expert parallelism (`parallel.ep`): the experts of every MoE layer spread over the replicas of
+an expert-parallel group, tokens exchanged by all-to-all, expert gradients averaged over the
+replicas holding the same experts. The same training as `parallel.ep = 1` to float32 rounding
+(the experts' matmuls and the gradient sums run in another order), bitwise under a forced
+re-layout against the same expert-parallel run; checkpoints keep the whole tensors' keys, so a
+run resumes under another `parallel.ep` and exports to Hugging Face as before.
+
+The bound: over 6 steps the losses differ from `parallel.ep = 1`'s by at most 1e-5 (fp32).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from dynmo.checks import validate
+from dynmo.config import ConfigError
+from tests.conftest import metrics, run_train
+from tests.reference import tiny_config
+from tests.test_bad_input import assert_rejected, dynmo_train
+
+STEPS = 6
+BOUND = 1e-5  # max abs loss difference to parallel.ep = 1 over STEPS steps
+COMMON = ["--steps", str(STEPS), "--train.microbatches", "2", "--train.eval_every", "3", "--balance.when", "never"]
+GPT_MOE = ["--config", "configs/moe.toml", *COMMON, "--model.moe.num_experts", "4"]
+MIXTRAL = ["--config", "configs/mixtral.toml", *COMMON, "--model.n_kv_heads", "1", "--model.intermediate_size", "96"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--parallel.dp", "4", "--parallel.ep", "3"], "parallel.ep = 3 does not divide parallel.dp = 4"),
+    (["--parallel.dp", "4", "--parallel.ep", "4", "--model.moe.num_experts", "6"],
+     "parallel.ep = 4 does not divide moe.num_experts = 6"),
+    (["--parallel.dp", "2", "--parallel.ep", "2"], "model.block = 'dense' has none"),
+    (["--parallel.dp", "2", "--parallel.ep", "2", "--parallel.shard", "optimizer"],
+     "expert parallelism runs with parallel.shard = \"none\" for now"),
+    (["--parallel.ep", "0"], "parallel.ep = 0: use a whole number >= 1"),
+    (["--parallel.ep", "-2"], "parallel.ep = -2: use a whole number >= 1"),
+])
+def test_bad_expert_parallel_settings_are_refused(args, message):
+    block = [] if "has none" in message else ["--model.block", "moe"]
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        validate(tiny_config(*block, *args), 4)
+
+
+def test_the_launcher_refuses_them_in_one_line_before_work(tmp_path):
+    p, _ = dynmo_train(tmp_path, "--model.block", "moe", "--parallel.dp", "4", "--parallel.ep", "3", nproc=4)
+    assert_rejected(p, tmp_path, "parallel.ep = 3 does not divide parallel.dp = 4")
+
+
+def losses(out: Path) -> list[float]:
+    """The training losses, then the validation losses (`train.eval_every`)."""
+    rows = metrics(out)
+    return [r["loss"] for r in rows] + [r["val_loss"] for r in rows if r.get("val_loss") is not None]
+
+
+def flat(ckpt: Path, tmp: Path) -> dict[str, torch.Tensor]:
+    out = tmp / f"{ckpt.parent.name}-{ckpt.name}.pt"
+    dcp_to_torch_save(str(ckpt), str(out))
+    return torch.load(out)
+
+
+def check_rows(out: Path, ep: int) -> None:
+    """Every step records per MoE layer the rows each rank of the expert-parallel group
+    computed; together they are the group's replicas' kept assignments."""
+    for r in metrics(out):
+        for rows, useful in zip(r["moe_ep_rank_rows"], r["moe_useful_rows"]):
+            if rows is not None:
+                assert len(rows) == ep and sum(rows) == pytest.approx(ep * useful)
+
+
+@pytest.mark.dist
+def test_gpt_moe_trains_as_without_expert_parallelism_and_resumes_under_another(tmp_path):
+    """gpt `moe`: dp 4 x pp 1 with ep 2 and 4, dp 2 x pp 2 with ep 2 (also re-packed onto one
+    stage), against ep 1; the ep 2 checkpoint resumes at ep 1, the ep 1 checkpoint at ep 4, and
+    both continue the run."""
+    dp4 = [*GPT_MOE, "--parallel.dp", "4", "--checkpoint.every", "3"]
+    runs = {e: tmp_path / f"dp4-ep{e}" for e in (1, 2, 4)}
+    for e, out in runs.items():
+        run_train(out, *dp4, "--parallel.ep", str(e), nproc=4)
+    ref = losses(runs[1])
+    assert len(ref) == STEPS + 2  # and two validation losses
+    for e in (2, 4):
+        assert losses(runs[e]) == pytest.approx(ref, abs=BOUND, rel=0)
+        check_rows(runs[e], e)
+    pp2 = {e: tmp_path / f"pp2-ep{e}" for e in (1, 2)}
+    for e, out in pp2.items():
+        run_train(out, *GPT_MOE, "--parallel.dp", "2", "--parallel.ep", str(e), nproc=4)
+    assert losses(pp2[2]) == pytest.approx(losses(pp2[1]), abs=BOUND, rel=0)
+    check_rows(pp2[2], 2)
+    # a re-pack onto one stage at step 3 releases half the ranks: the groups are made again
+    repacked = tmp_path / "pp2-ep2-repacked"
+    run_train(repacked, *GPT_MOE, "--parallel.dp", "2", "--parallel.ep", "2", "--parallel.relayout", "3:0,6", nproc=4)
+    assert any(e.get("repacked") for r in metrics(repacked) for e in r["events"])
+    assert losses(repacked) == pytest.approx(losses(pp2[1]), abs=BOUND, rel=0)
+
+    # the same keys, the whole tensors: a run saved at ep 2 resumes at ep 1, one saved at ep 1 at ep 4
+    a, b = flat(runs[2] / "checkpoint-3", tmp_path), flat(runs[1] / "checkpoint-3", tmp_path)
+    assert a.keys() == b.keys() and any(".experts." in k for k in a)
+    assert all(a[k].shape == b[k].shape and torch.allclose(a[k], b[k], rtol=0, atol=1e-5) for k in a)
+    for saved, e in ((runs[2], 1), (runs[1], 4)):
+        out = tmp_path / f"resume-ep{e}"
+        run_train(out, *dp4, "--parallel.ep", str(e), "--checkpoint.resume", str(saved / "checkpoint-3"), nproc=4)
+        assert [r["step"] for r in metrics(out)] == list(range(3, STEPS))
+        assert [r["loss"] for r in metrics(out)] == pytest.approx(losses(saved)[3:STEPS], abs=BOUND, rel=0)
+
+
+@pytest.mark.dist
+def test_mixtral_trains_as_without_expert_parallelism_migrates_and_exports(tmp_path):
+    """mixtral: dp 2 x pp 2 with ep 2 (and a forced re-layout: bitwise the same as without it),
+    dp 4 x pp 1 with ep 2 and 4, against ep 1; the ep 2 checkpoint exports as the ep 1 one."""
+    pp2 = [*MIXTRAL, "--parallel.dp", "2", "--checkpoint.final", "true"]
+    one, two, moved = tmp_path / "pp2-ep1", tmp_path / "pp2-ep2", tmp_path / "pp2-ep2-moved"
+    run_train(one, *pp2, nproc=4)
+    run_train(two, *pp2, "--parallel.ep", "2", nproc=4)
+    run_train(moved, *pp2, "--parallel.ep", "2", "--parallel.relayout", "2:0,2,6;4:0,4,6", nproc=4)
+    assert losses(two) == pytest.approx(losses(one), abs=BOUND, rel=0)
+    check_rows(two, 2)
+    assert losses(moved) == losses(two)
+    assert [e["new"] for r in metrics(moved) for e in r["events"] if e["type"] == "migration"] == [[0, 2, 6], [0, 4, 6]]
+    dp4 = {e: tmp_path / f"dp4-ep{e}" for e in (1, 2, 4)}
+    for e, out in dp4.items():
+        run_train(out, *MIXTRAL, "--parallel.dp", "4", "--parallel.ep", str(e), nproc=4)
+    for e in (2, 4):
+        assert losses(dp4[e]) == pytest.approx(losses(dp4[1]), abs=BOUND, rel=0)
+        check_rows(dp4[e], e)
+
+    from tests.test_shard import run_export
+    from safetensors.torch import load_file
+
+    exported = {}
+    for name, out in (("one", one), ("two", two)):
+        hf = tmp_path / f"hf-{name}"
+        p = run_export(out / "checkpoint-final", hf)
+        assert p.returncode == 0, p.stderr
+        exported[name] = {k: v for f in sorted(hf.glob("*.safetensors")) for k, v in load_file(f).items()}
+    x, y = exported["one"], exported["two"]
+    assert x.keys() == y.keys() and any(".experts.7.w1.weight" in k for k in x)
+    assert all(x[k].shape == y[k].shape and torch.allclose(x[k], y[k], rtol=0, atol=1e-5) for k in x)
