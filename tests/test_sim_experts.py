@@ -119,3 +119,38 @@ def test_all_to_all_counts_only_off_rank_rows(moe):
     p = static_placement(8, 2)  # experts 0-3 on rank 0, 4-7 on rank 1
     # replica 0 sends 3 rows (expert 7) to rank 1; replica 1 sends 2 (expert 1) to rank 0
     assert m.a2a_s(reps, p) == pytest.approx(3 * m.d_model * m.elem_bytes)
+
+
+def _bench():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("replay_experts", TRACES.parents[2] / "benchmarks" / "replay_experts.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_the_benchmark_prints_a_row_per_trace_and_degree(moe, tmp_path, capsys):
+    moe.write(tmp_path / "moe.jsonl")
+    bench = _bench()
+    args = [str(tmp_path / "moe.jsonl"), "--ep", "2,4", "--blocks", "8", "--stages", "2", "--dp", "4",
+            "--microbatches", "4"]
+    assert bench.main(args) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "python benchmarks/replay_experts.py " + " ".join(args)
+    rows = [line.split(" | ") for line in out if line.startswith("| moe |")]
+    assert [r[1] for r in rows] == ["2", "4"]
+    assert all(r[5] == "1.000" or float(r[5]) > 0 for r in rows)
+    assert bench.main(args + ["--json"]) == 0
+    import json
+    doc = json.loads(capsys.readouterr().out)
+    assert [d["ep"] for d in doc] == [2, 4] and set(doc[0]["policies"]) == {"static", "dynmo", "dynmo w1", "oracle"}
+
+
+@pytest.mark.parametrize("args, match", [
+    ([str(TRACES / "dense-60.jsonl"), "--blocks", "8", "--stages", "2", "--dp", "2", "--ep", "2"], "moe_tokens_per_expert"),
+    ([str(TRACES / "moe-static.jsonl"), "--blocks", "8", "--stages", "2", "--dp", "6", "--ep", "3"], "does not divide the 8"),
+])
+def test_the_benchmark_refuses_bad_input_in_one_line(args, match, capsys):
+    assert _bench().main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and match in err[0]

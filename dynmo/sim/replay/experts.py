@@ -57,7 +57,8 @@ Policies (one placement per MoE layer, the same in every group):
            is the per-expert median of the last `window` steps' loads (summed over the replicas,
            over the groups); before every step each MoE layer's forecast optimum
            (`dynmo.balance.experts.place_experts`, ranks renamed so that the fewest experts
-           move) is the candidate. It is proposed when, on each observed step (up to
+           move; exact where the branch and bound ends within PLACE_NODES nodes, else the
+           greedy's answer) is the candidate. It is proposed when, on each observed step (up to
            EVIDENCE_STEPS), the simulated step time with the candidates against the current
            placements gives relative savings that `dynmo.controller.evidence.supported`
            accepts (significant against their own step-to-step variation, margin `min_gain`),
@@ -98,6 +99,7 @@ POLICIES = ("static", "dynmo", "oracle")
 A2A_BANDWIDTH = 25e9  # bytes/s per rank: a 200 Gb/s link per GPU
 STATE_BYTES_PER_PARAM = 16  # fp32 weights, gradients, AdamW exp_avg and exp_avg_sq
 SPLITS = ("fit", "flops")
+PLACE_NODES = 2000  # branch-and-bound nodes per placement in the replay (thousands of them): exact where that suffices
 CAPTURE_MIN_GAIN = 0.005  # below this oracle gain over static, a captured share says nothing
 
 
@@ -370,7 +372,8 @@ class _Model:
         return worst, float(np.mean(ratios))
 
     def place(self, loads: np.ndarray, current: Placement) -> Placement:
-        res = place_experts(loads, self.ep, extra_slots=self.opts.extra_slots, copies=self.opts.copies)
+        res = place_experts(loads, self.ep, extra_slots=self.opts.extra_slots, copies=self.opts.copies,
+                            max_nodes=PLACE_NODES)
         return align(current, res.placement, self.expert_bytes)
 
     def move(self, old: list[Placement], new: list[Placement], layout: Layout) -> tuple[float, int, float]:

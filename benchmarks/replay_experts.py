@@ -1,0 +1,142 @@
+"""Expert placement under expert parallelism, replayed: static against dynmo against the oracle.
+
+    python benchmarks/replay_experts.py [TRACE.jsonl ...] [--ep 2,4,8] [--blocks 32 --stages 16 --dp 8
+        --microbatches 64] [--extra-slots S --copies C] [--a2a-bandwidth B] [--seed N] [--json]
+
+Each trace (default: the committed `moe` and `mixtral` traces, docs/bench/traces/) is scaled to
+--blocks blocks and replayed by `dynmo.sim.replay.experts.replay_experts` at every EP degree in
+--ep (whose module doc says what is modelled): the layer layout held fixed, each MoE layer's
+experts placed by
+
+  static     index order, N / E per rank;
+  dynmo      re-placed by measured load with the layer controller's evidence rules and its
+             defaults (forecast: median of 3 steps; 2 fresh steps confirm; 1 % margin; repaid
+             over 50 steps);
+  dynmo w1   the same rules with a forecast of the last step alone and no fresh-step confirmation
+             (--no-w1 leaves it out);
+  oracle     each step's best placement for its own loads, moves free.
+
+Columns: total seconds of static; each policy's speedup over static (total time, moves
+included); `capture`, the share of the oracle's gain over static that a dynmo policy gets,
+(speedup - 1) / (oracle's speedup - 1), blank where the oracle gains under 0.5 %; migrations;
+the mean over steps and MoE layers of the busiest EP rank's load over the mean rank's, under
+static, dynmo, dynmo w1 and the oracle (1 = perfectly even). `--json` prints every figure and
+the per-step series instead.
+
+Bad input (a trace without `moe_tokens_per_expert`, an EP degree that does not divide the
+expert count or dp) ends in one line on stderr and exit code 2. Pure; no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from dynmo.balance import BalanceError
+from dynmo.engine import SimInputError
+from dynmo.sim.replay.experts import ExpertOptions, replay_experts
+from dynmo.sim.trace import TraceError, load_trace, scale_trace
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_TRACES = [ROOT / "docs/bench/traces/moe-static.jsonl", ROOT / "docs/bench/traces/mixtral-static.jsonl"]
+W1 = "dynmo w1"
+
+
+def _eps(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--ep takes integers separated by commas, got {text!r}") from None
+    if not out or any(e < 1 for e in out):
+        raise argparse.ArgumentTypeError(f"--ep takes integers >= 1, got {text!r}")
+    return out
+
+
+def _f(x, fmt: str = ".3f") -> str:
+    return "" if x is None else format(x, fmt)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="replay_experts.py", description=__doc__.splitlines()[0])
+    ap.add_argument("traces", nargs="*", type=Path, help="MoE traces (default: the committed moe and mixtral ones)")
+    ap.add_argument("--ep", type=_eps, default=[8], help="EP degrees, e.g. 2,4,8 (default 8)")
+    ap.add_argument("--blocks", type=int, default=32)
+    ap.add_argument("--stages", type=int, default=16)
+    ap.add_argument("--dp", type=int, default=8)
+    ap.add_argument("--microbatches", type=int, default=64)
+    ap.add_argument("--extra-slots", type=int, default=0)
+    ap.add_argument("--copies", type=int, default=0)
+    ap.add_argument("--a2a-bandwidth", type=float, default=ExpertOptions.a2a_bandwidth)
+    ap.add_argument("--split", choices=("fit", "flops"), default="fit")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-w1", action="store_true", help="leave out the dynmo w1 variant")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    traces = args.traces or DEFAULT_TRACES
+    opts = ExpertOptions(microbatches=args.microbatches, extra_slots=args.extra_slots, copies=args.copies,
+                         a2a_bandwidth=args.a2a_bandwidth, split=args.split, seed=args.seed)
+    variants = {} if args.no_w1 else {W1: {"window": 1, "confirm": 0}}
+    rows = []
+    try:
+        opts.check()
+        if args.blocks < 1:
+            raise SimInputError(f"--blocks must be >= 1, got {args.blocks}")
+        loaded = [(p, scale_trace(load_trace(p), args.blocks)) for p in traces]
+        for path, trace in loaded:
+            for ep in args.ep:
+                t0 = time.perf_counter()
+                out = replay_experts(trace, args.stages, args.dp, ep, opts, variants=variants)
+                rows.append((path, ep, out))
+                print(f"replay_experts: {path.stem} ep {ep} in {time.perf_counter() - t0:.0f} s", file=sys.stderr,
+                      flush=True)
+    except (SimInputError, TraceError, BalanceError, ValueError, OSError) as e:
+        print(f"replay_experts: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        json.dump([{"trace": str(p), "ep": ep, **out.as_dict()} for p, ep, out in rows], sys.stdout, allow_nan=False)
+        print()
+        return 0
+    cmd = " ".join(["python benchmarks/replay_experts.py", *(str(p) for p in args.traces),
+                    "--ep", ",".join(map(str, args.ep)), "--blocks", str(args.blocks), "--stages", str(args.stages),
+                    "--dp", str(args.dp), "--microbatches", str(args.microbatches),
+                    *(["--extra-slots", str(args.extra_slots), "--copies", str(args.copies)] if args.copies or args.extra_slots else []),
+                    *([] if args.a2a_bandwidth == ExpertOptions.a2a_bandwidth else ["--a2a-bandwidth", str(args.a2a_bandwidth)]),
+                    *([] if args.seed == 0 else ["--seed", str(args.seed)]), *(["--no-w1"] if args.no_w1 else [])])
+    print(cmd + "\n")
+    names = ["dynmo", *variants, "oracle"]
+    print("| trace | E | slots + copies | layout | static s | " + " | ".join(
+        f"{n} speedup" + (f" | {n} capture | {n} migrations" if n != "oracle" else "") for n in names)
+        + " | busiest / mean: " + ", ".join(["static", *names]) + " |")
+    print("|---|---:|---|---|---:|" + "---:|" * (3 * len(names) - 2) + "---|")
+    for path, ep, out in rows:
+        r = out.results
+        sh = out.shape
+        cells = []
+        for n in names:
+            cells.append(_f(r[n].speedup))
+            if n != "oracle":
+                cells += [_f(r[n].capture, ".2f"), str(r[n].migrations)]
+        busy = ", ".join(f"{r[n].as_dict()['mean_busiest_over_mean']:.3f}" for n in ["static", *names])
+        slots = f"{sh['experts'] // ep} + {sh['extra_slots']}, {sh['copies']}"
+        print(f"| {path.stem} | {ep} | {slots} | {out.layout_name} | {r['static'].total_s:.1f} | "
+              + " | ".join(cells) + f" | {busy} |")
+    split = rows[0][2].split if rows else None
+    if split is not None:
+        for path, ep, out in rows:
+            if ep != rows[0][1]:
+                continue
+            s = out.split
+            fit = s["fit"]
+            print(f"\nsplit of {path.stem}: {s['used']}; fit cost/microbatch = {fit['a'] * 1e3:.2f} ms + "
+                  f"{fit['b'] * 1e6:.2f} us x padded rows (R^2 {fit['r2']:.2f}, {fit['points']} points); expert share "
+                  f"of the median MoE layer ({s['median_padded_rows']:.0f} padded rows): fit {s['expert_share_fit']:.2f}, "
+                  f"FLOPs {s['expert_share_flops']:.2f}", end="")
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
