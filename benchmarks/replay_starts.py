@@ -4,7 +4,9 @@
 
 The promise a user needs before turning dynmo on: started on the layout they would have fixed
 (uniform, as Megatron-LM; params, as DeepSpeed; profile-once, the optimum of the first steps'
-costs), dynmo is never slower than that layout left alone. Every committed trace is scaled to
+costs; flops, dynmo's default, the partition of the FLOP model), dynmo is never slower than that
+layout left alone; and from its default start, over the second half of the run, it is compared
+with the best static layout (the fastest of uniform, params and profile-once in hindsight). Every committed trace is scaled to
 a paper-sized model with no added noise and replayed on 24 stages x 30 replicas (48 blocks, 96
 microbatches), the MoE family (moe, mixtral, their dense model) also on 16 x 8 (32 blocks, 64
 microbatches), as benchmarks/replay_headline.py does. Per trace and start S: static S's total
@@ -21,10 +23,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from dynmo.sim import load_trace, scale_trace
-from dynmo.sim.replay import ReplayOptions, replay, replay_balance
+from dynmo.sim.replay import ReplayOptions, default_start, replay, replay_balance
 from replay_headline import MOE_FAMILY, SHAPES, traces  # run as a script: benchmarks/ is on the path
 
-STARTS = ("uniform", "params", "profile-once")
+STARTS = ("uniform", "params", "profile-once", "flops")
 FLOOR = 0.995  # the promise, within the replay's own rounding of a migration's cost
 
 
@@ -43,7 +45,7 @@ def rows(path: Path, shape: str) -> list[dict]:
             return sum(r.iteration_s[half:]) + sum(r.overhead_s[half:])
 
         out.append({"start": start, "whole": fixed.total_s / dyn.total_s, "second_half": second(fixed) / second(dyn),
-                    "migrations": dyn.migrations})
+                    "migrations": dyn.migrations, "vs_best_second_half": dyn.speedup_vs_best_static_second_half})
     return out
 
 
@@ -51,9 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     paths = traces(argv, __doc__, "replay_starts")
     if paths is None:
         return 2
-    print("| trace | shape | " + " | ".join(f"from {s}: whole, second half, migrations" for s in STARTS) + " |")
-    print("|---|---|" + "---|" * len(STARTS))
-    below = []
+    print("| trace | shape | " + " | ".join(f"from {s}: whole, second half, migrations" for s in STARTS)
+          + " | from the default start (flops), second half: vs best static |")
+    print("|---|---|" + "---|" * (len(STARTS) + 1))
+    below, short = [], []
     for path in paths:
         name = path.stem.removesuffix("-static")
         for shape in ["24x30"] + (["16x8"] if name.startswith(MOE_FAMILY) else []):
@@ -65,9 +68,15 @@ def main(argv: list[str] | None = None) -> int:
                 cells.append(f"{r['whole']:.3f}{mark}, {r['second_half']:.3f}, {r['migrations']}")
                 if r["whole"] < FLOOR:
                     below.append(f"{name} {shape} from {r['start']}: {r['whole']:.3f}")
+            default = next(r for r in got if r["start"] == default_start())["vs_best_second_half"]
+            cells.append(f"{default:.3f}")
+            if default < 1.0:
+                short.append(f"{name} {shape}: {default:.3f}")
             print(f"| {name} | {shape} | " + " | ".join(cells) + " |", flush=True)
             print(f"replay_starts: {name} {shape} in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     print(f"\nbelow {FLOOR} x the start left static: " + ("; ".join(below) if below else "none"))
+    print("from the default start, below the best static layout over the second half: "
+          + ("; ".join(short) if short else "none"))
     return 0
 
 
