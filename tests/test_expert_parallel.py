@@ -139,3 +139,54 @@ def test_mixtral_trains_as_without_expert_parallelism_migrates_and_exports(tmp_p
     x, y = exported["one"], exported["two"]
     assert x.keys() == y.keys() and any(".experts.7.w1.weight" in k for k in x)
     assert all(x[k].shape == y[k].shape and torch.allclose(x[k], y[k], rtol=0, atol=1e-5) for k in x)
+
+
+def _one_layer(rank: int, world: int, store: str, family: str) -> None:
+    """One MoE block on `world` gloo processes, each a replica with its own tokens (some
+    inactive) and experts dropped by a capacity factor: with its experts spread over the
+    processes it gives the whole block's output, and each expert's gradient is the sum over the
+    replicas of the whole block's gradients of that expert."""
+    import torch.distributed as dist
+
+    from dynmo.model.layers import LayerSpec, build_layer
+    from dynmo.runtime.experts import ExpertGroup, is_expert_param, localize
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        fam = ["--model.family", "mixtral", "--model.n_kv_heads", "1"] if family == "mixtral" else []
+        cfg = tiny_config("--model.block", "moe", *fam, "--model.moe.num_experts", "4",
+                          "--model.moe.capacity_factor", "0.75").model
+        whole = build_layer(LayerSpec("t", 1), cfg, seed=3)
+        part = localize(build_layer(LayerSpec("t", 1), cfg, seed=3), ExpertGroup(world, rank, dist.group.WORLD, "gloo"))
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(2, cfg.seq_len, cfg.d_model, generator=g)
+        mask = torch.rand(2, cfg.seq_len, generator=g) > 0.2
+        w = torch.randn(2, cfg.seq_len, cfg.d_model, generator=g)
+        outs = []
+        for layer in (whole, part):
+            y, aux = layer.forward_with_aux(x, mask)
+            ((y * w).sum() + aux).backward()
+            outs.append(y.detach())
+        torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-5)
+        assert part.last_stats["tokens_per_expert"] == whole.last_stats["tokens_per_expert"]
+        assert len(part.last_stats["ep_rank_rows"]) == world
+        k = cfg.moe.num_experts // world
+        for (n, pw), (m, pp) in zip(whole.named_parameters(), part.named_parameters()):
+            assert n == m
+            if not is_expert_param(n):
+                assert torch.equal(pw.grad, pp.grad), n  # the same computation on this replica's tokens
+                continue
+            summed = pw.grad.clone()
+            dist.all_reduce(summed)  # what the replicas' whole blocks give this expert, together
+            assert pp.shape[0] == k
+            torch.testing.assert_close(pp.grad, summed[rank * k : (rank + 1) * k], rtol=0, atol=1e-5)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.dist  # spawns gloo processes: seconds, not milliseconds
+@pytest.mark.parametrize("family,world", [("gpt", 2), ("mixtral", 4)])
+def test_one_block_with_its_experts_spread_equals_the_whole_block(tmp_path, family, world):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_one_layer, args=(world, str(tmp_path / "store"), family), nprocs=world, join=True)
