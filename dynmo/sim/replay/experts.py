@@ -70,7 +70,9 @@ Policies (one placement per MoE layer, the same in every group):
            charged before the step;
   oracle   per step, each MoE layer's best placement for that step's own loads (summed over
            the replicas), moves free: the bound in hindsight. With dp / E > 1 groups it
-           minimises the busiest rank of the summed loads, not of the slowest group.
+           minimises the busiest rank of the summed loads, not of the slowest group; its
+           placements are the solver's within PLACE_NODES nodes, so proven optimal only where
+           the branch and bound ended (else the greedy's answer: near-best, not a bound).
 
 With `extra_slots` and `copies` the dynmo and oracle placements may copy hot experts (the copies
 split an expert's tokens evenly); static never does. With N = E (one expert per rank) and no
