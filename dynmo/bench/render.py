@@ -140,14 +140,15 @@ def render(real: list[dict], sim: list[dict], missing: list[str], argv: list[str
             "## Simulated at paper scale (uniform traces above, scaled; `dynmo.sim.replay`)\n",
             "Microbatches per replica = 4 x stages; migrations charged at the controller's cost model.\n",
             "Headline: total time of the best static layout (uniform, params or profile-once) over dynmo's, dynmo "
-            "started from uniform and from profile-once, over oracle-window's (one layout per window of "
+            "started from uniform, from profile-once and from flops (the FLOP model's layout, where a run starts "
+            "when its config names no layout), over oracle-window's (one layout per window of "
             "`balance.window + balance.confirm` steps, chosen in hindsight, migrations charged: the bound of a "
             "controller that follows lasting changes) and over the oracle's (the fastest layout of every step in "
             "the simulation, free to change: no policy beats it). Settled: the same over the last half of the "
             "steps, against the static layout best there.\n",
-            "| case | shape | best static | dynmo from uniform | dynmo from profile-once | oracle-window | oracle "
-            "| settled: dynmo from uniform, from profile-once, oracle-window |",
-            "|---|---|---|---:|---:|---:|---:|---|",
+            "| case | shape | best static | dynmo from uniform | dynmo from profile-once | dynmo from flops "
+            "| oracle-window | oracle | settled: dynmo from uniform, from profile-once, from flops, oracle-window |",
+            "|---|---|---|---:|---:|---:|---:|---:|---|",
         ]
         heads = {}
         for r in sim:
@@ -155,10 +156,11 @@ def render(real: list[dict], sim: list[dict], missing: list[str], argv: list[str
         for c, pol in heads.items():
             anyrow = next(iter(pol.values()))
             settled = ", ".join(_f(pol.get(p, {}).get("speedup_vs_best_static_second_half"))
-                                for p in ("optimal", "optimal from profile-once", "oracle-window"))
+                                for p in ("optimal", "optimal from profile-once", "optimal from flops", "oracle-window"))
             lines.append(f"| {c} | {anyrow['shape']} | {anyrow.get('best_static') or 'n/a'} | "
                          f"{_f(pol.get('optimal', {}).get('speedup_vs_best_static'))} | "
                          f"{_f(pol.get('optimal from profile-once', {}).get('speedup_vs_best_static'))} | "
+                         f"{_f(pol.get('optimal from flops', {}).get('speedup_vs_best_static'))} | "
                          f"{_f(pol.get('oracle-window', {}).get('speedup_vs_best_static'))} | "
                          f"{_f(pol.get('oracle', {}).get('speedup_vs_best_static'))} | {settled} |")
         lines += [

@@ -27,14 +27,16 @@ def sim_rows(case: BenchCase, out: Path) -> list[dict]:
     write_plots(results, out / "plots" / case.name, title=f"{case.name}: {case.blocks} blocks, {case.stages} stages x {case.dp} dp")
     # dynmo started from the best static layout a profile gives, rather than from uniform: what
     # run-time balancing adds to a careful static choice
-    (warm,) = replay(trace, stages=case.stages, dp=case.dp, policies=["optimal"],
-                     options=replace(opts, initial="profile-once"))
-    warm.policy = "optimal from profile-once"
-    # its share of the oracles' gains, from this replay's oracles (the same trace, shape and static layouts)
+    # and from the FLOP model's layout, where a training run starts when its config names no layout
     bounds = {r.policy: r.speedup_vs_best_static for r in results}
-    warm.capture_oracle = capture(warm.speedup_vs_best_static, bounds.get("oracle"))
-    warm.capture_oracle_window = capture(warm.speedup_vs_best_static, bounds.get("oracle-window"))
-    results.append(warm)
+    for start in ("profile-once", "flops"):
+        (warm,) = replay(trace, stages=case.stages, dp=case.dp, policies=["optimal"],
+                         options=replace(opts, initial=start))
+        warm.policy = f"optimal from {start}"
+        # its share of the oracles' gains, from this replay's oracles (the same trace, shape and static layouts)
+        warm.capture_oracle = capture(warm.speedup_vs_best_static, bounds.get("oracle"))
+        warm.capture_oracle_window = capture(warm.speedup_vs_best_static, bounds.get("oracle-window"))
+        results.append(warm)
     # the model without the technique, scaled and replayed alike on static uniform
     dense = None
     found = _dense_trace(out, case)
