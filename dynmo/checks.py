@@ -126,6 +126,54 @@ def check_expert_parallel(cfg: Config) -> None:
                               f"or edits whole expert weights; use parallel.ep = 1")
 
 
+def parse_replacements(cfg: Config) -> dict[int, dict[str, tuple[int, ...]]]:
+    """`parallel.replace_experts` entries "STEP:ORDER" (every MoE block) or "STEP:BLOCK:ORDER"
+    (block BLOCK, 0-based, as in the layer names) -> {step: {layer name: order}}. ORDER is the
+    experts, rank by rank and slot by slot of the expert-parallel group: a permutation of
+    0 .. moe.num_experts - 1. Steps are 0-based steps of the run; at most one entry per block and
+    step; needs parallel.ep > 1."""
+    entries = cfg.parallel.replace_experts
+    out: dict[int, dict[str, tuple[int, ...]]] = {}
+    if not entries:
+        return out
+    if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
+        raise ConfigError(f"parallel.replace_experts = {entries!r}: use a list of \"STEP:ORDER\" or "
+                          "\"STEP:BLOCK:ORDER\" strings")
+    ep, m, steps = cfg.parallel.ep, cfg.model, cfg.train.steps
+    if ep <= 1:
+        raise ConfigError(f"parallel.replace_experts moves experts between expert-parallel ranks, and parallel.ep = "
+                          f"{ep}: use parallel.ep > 1 or drop parallel.replace_experts")
+    n = m.moe.num_experts
+    for entry in entries:
+        where = f"parallel.replace_experts entry {entry!r}"
+        parts = entry.split(":")
+        if len(parts) not in (2, 3):
+            raise ConfigError(f"{where} must look like STEP:ORDER or STEP:BLOCK:ORDER, e.g. 2:1,0,3,2")
+        try:
+            step = int(parts[0])
+            block = int(parts[1]) if len(parts) == 3 else None
+            order = tuple(int(x) for x in parts[-1].split(","))
+        except ValueError:
+            raise ConfigError(f"{where}: STEP, BLOCK and the experts must be whole numbers") from None
+        if not 0 <= step < steps:
+            span = f"steps 0..{steps - 1}" if steps else "no steps"
+            raise ConfigError(f"{where}: step {step} is not a step of the run ({span} with train.steps={steps})")
+        if block is not None and not 0 <= block < m.n_layers:
+            raise ConfigError(f"{where}: block {block} is not a block of the model (0..{m.n_layers - 1})")
+        if len(order) != n:
+            raise ConfigError(f"{where}: {len(order)} experts listed, the model has moe.num_experts = {n}")
+        if sorted(order) != list(range(n)):
+            raise ConfigError(f"{where}: {','.join(map(str, order))} is not a permutation of the experts "
+                              f"0..{n - 1} (each once)")
+        names = [f"block{block}"] if block is not None else [f"block{b}" for b in range(m.n_layers)]
+        at = out.setdefault(step, {})
+        if any(k in at for k in names):
+            raise ConfigError(f"{where}: step {step} already re-places {'this block' if block is not None else 'a block'}; "
+                              "give one entry per block and step")
+        at.update(dict.fromkeys(names, order))
+    return out
+
+
 def validate(cfg: Config, world: int) -> list[str]:
     """Raise ConfigError naming the problem and the fix. `world` = number of ranks.
 
@@ -193,6 +241,7 @@ def validate(cfg: Config, world: int) -> list[str]:
     if lay not in NAMED_LAYOUTS:
         explicit_layout(p.layout, cfg, stages, "parallel.layout")
     parse_relayouts(cfg, stages)
+    parse_replacements(cfg)
     bc = cfg.balance
     check_balance(bc)
     changes = cfg.prune.enabled or cfg.freeze.enabled or cfg.early_exit.enabled or (cfg.skew.factor > 1)

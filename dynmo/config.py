@@ -129,6 +129,10 @@ class ParallelConfig:
     ep: int = 1
     # Forced re-layouts: "STEP:LAYOUT" entries, applied before that step, e.g. "5:0,3,6,10".
     relayout: list[str] = field(default_factory=list)
+    # Forced expert re-placements (parallel.ep > 1): "STEP:ORDER" (every MoE block) or
+    # "STEP:BLOCK:ORDER" (block BLOCK, 0-based), applied before that step; ORDER lists the
+    # experts rank by rank, slot by slot, e.g. "2:1,0,3,2" (ep 2, 4 experts: rank 0 holds 1 and 0).
+    replace_experts: list[str] = field(default_factory=list)
     backend: str = "auto"  # auto (nccl with CUDA, else gloo) | gloo | nccl
     # Seconds a collective or point-to-point operation may wait for a peer (a rank that died or
     # hangs) before the job fails with an error instead of waiting forever.

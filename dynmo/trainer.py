@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from dynmo import plan
+from dynmo.checks import parse_replacements
 from dynmo.config import Config, to_toml
 from dynmo.data import TokenData, prepare
 from dynmo.dynamics.case import Case
@@ -83,6 +84,7 @@ class Trainer:
             for c in self.cases:
                 c.after_load(self.start_step)
         self.relayouts = plan.parse_relayouts(cfg, num_stages)
+        self.replacements = parse_replacements(cfg)  # forced expert re-placements {step: {layer: order}}
         if self.resumed_grow is not None:
             # The grow's own step: resuming onto its layout applied it (and any forced re-layout
             # of that step before it). A grow onto fewer stages than this world re-packs onto it.
@@ -145,6 +147,8 @@ class Trainer:
                 self._grow(step, self.relayouts[step], {"reason": "forced"})
                 return events
             events.append(self._migrate(self.relayouts[step]) | {"reason": "forced"})
+        if step in self.replacements and not self.pipe.released:
+            events.append(self.pipe.replace_experts(self.replacements[step]) | {"reason": "forced"})
         if not self.pipe.released:
             events += self._rebalance(step)
         if not self.pipe.released and self.growing is None:

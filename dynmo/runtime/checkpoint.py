@@ -7,11 +7,13 @@ a run can resume under any layout, number of stages or schedule. With `parallel.
 one DTensor sharded over its data-parallel group (`dynmo.runtime.zero.stored`): the key is the
 same whole tensor, which DCP reshards on load, so a sharded run resumes unsharded, on another
 number of replicas, and the other way round. Under expert parallelism (`parallel.ep` > 1)
-each rank holds its experts' rows of every stacked expert weight and stores them, with their
-AdamW state, the same way, sharded over its expert-parallel group (`dynmo.runtime.experts`):
-the keys are those of a run without it, so a run resumes under another `parallel.ep` (or
-none) and exports unchanged. `dynmo.json` beside the
-shards records the step, the model shape and the layout it was saved with.
+each rank holds its experts' rows of every stacked expert weight, under the layer's placement
+(which rank holds which expert, `dynmo.runtime.experts`); a save gathers each such tensor (and
+its AdamW state) whole over the expert-parallel group, experts in index order, and a load reads
+the whole tensor and keeps this rank's rows: the keys and tensors are those of a run without
+it, so a run resumes under another `parallel.ep` (or none) or placement and exports unchanged.
+`dynmo.json` beside the shards records the step, the model shape, the layout it was saved
+with, and the experts' placements (`expert_placement`, restored on resume).
 
 Tied embeddings (`model.tie_embeddings`) are one tensor with a copy on each of two ranks
 (`dynmo.runtime.tie`): both copies, and their AdamW state, are stored once under the
@@ -33,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dynmo import rundir
@@ -54,22 +57,53 @@ def _key(pipe: Pipeline, index: int, pname: str) -> str:
     return f"{pipe.specs[index].prefix}.{pname}"
 
 
-def _state_dict(pipe: Pipeline, with_optim: bool) -> dict[str, torch.Tensor]:
-    """This rank's tensors by checkpoint key. Layers in index order, so when one rank holds both
-    copies of a tied embedding the key gets the embedding's (`_fill_tied_copy` fills the other)."""
+def _state_dict(pipe: Pipeline, with_optim: bool, loading: bool = False) -> tuple[dict[str, torch.Tensor], list]:
+    """This rank's tensors by checkpoint key, and what a load must scatter afterwards. Layers in
+    index order, so when one rank holds both copies of a tied embedding the key gets the
+    embedding's (`_fill_tied_copy` fills the other). An expert parameter's rows under expert
+    parallelism (and their AdamW state) appear as the whole tensor, experts in index order:
+    gathered over the expert-parallel group to save (collective, in one order on every rank of
+    the group), an empty buffer to load into, whose rows `_scatter` copies back."""
     sd: dict[str, torch.Tensor] = {}
+    after: list = []  # (layer, parameter name, whole buffer, this rank's tensor)
+
+    def put(key: str, layer: nn.Module, pname: str, v: torch.Tensor) -> None:
+        if not experts.is_held(layer, pname, v):
+            sd.setdefault(key, v)
+        elif loading:
+            full = v.new_empty((v.shape[0] * pipe.ctx.ep, *v.shape[1:]))
+            if key not in sd:
+                sd[key] = full
+                after.append((layer, pname, full, v))
+        else:
+            full = experts.whole(layer, pname, v)  # collective: gathered even if the key is taken
+            sd.setdefault(key, full)
+
     for i in sorted(pipe.layers):
         layer = pipe.layers[i]
         for k, v in layer.state_dict().items():
-            sd.setdefault(_key(pipe, i, k), experts.stored(pipe.ctx, k, v))
+            put(_key(pipe, i, k), layer, k, v)
         if with_optim:
             for pname, p in layer.named_parameters():
                 st = pipe.optimizer.state.get(p)
                 if st:
                     for key in optim.STATE_KEYS:
-                        sd.setdefault(f"optim.{_key(pipe, i, pname)}.{key}",
-                                      experts.stored(pipe.ctx, pname, zero.stored(pipe.optimizer, p, st[key])))
-    return sd
+                        put(f"optim.{_key(pipe, i, pname)}.{key}", layer, pname,
+                            zero.stored(pipe.optimizer, p, st[key]))
+    return sd, after
+
+
+def _scatter(after: list) -> None:
+    for layer, pname, full, v in after:
+        experts.scatter(layer, pname, full, v)
+
+
+def placements(pipe: Pipeline) -> dict[str, list[int]]:
+    """Every MoE layer's expert placement that is not the contiguous one ({} without expert
+    parallelism), the same on every rank."""
+    if pipe.ep is None:
+        return {}
+    return {k: list(v) for k, v in sorted(pipe.ep.orders.items()) if list(v) != sorted(v)}
 
 
 def _fill_tied_copy(pipe: Pipeline) -> None:
@@ -124,7 +158,7 @@ def save(pipe: Pipeline, path: Path, step: int, cfg: Config, cases: dict | None 
     sd: dict[str, torch.Tensor] = {}
     try:
         # Data-parallel replicas hold identical copies; DCP writes each key once and fsyncs its files.
-        sd = _state_dict(pipe, with_optim=True)
+        sd, _ = _state_dict(pipe, with_optim=True)
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True),
                  process_group=group)
         faults.point("checkpoint", step)
@@ -139,6 +173,7 @@ def save(pipe: Pipeline, path: Path, step: int, cfg: Config, cases: dict | None 
                 "seed": cfg.train.seed,
                 "cases": cases or {},  # the dynamic-model cases' own state (dynmo.dynamics.case)
                 "layer_costs": costs,
+                "expert_placement": placements(pipe),  # {layer: order}; absent layers: contiguous
             }
             if grow is not None:
                 meta["grow"] = grow | {"saved_at": time.time()}
@@ -209,6 +244,22 @@ def read_meta(path: Path) -> dict:
     return json.loads((path / "dynmo.json").read_text())
 
 
+def restore_placement(pipe: Pipeline, saved: dict[str, list[int]]) -> None:
+    """The saved expert placements become this run's (before the weights load, so each rank's
+    rows are those of its experts under them). A placement is an order of the experts, valid
+    under any `parallel.ep` that divides their number; without expert parallelism there is none
+    to restore (every rank holds every expert)."""
+    if pipe.ep is None or not saved:
+        return
+    for i, layer in pipe.layers.items():
+        name = pipe.specs[i].prefix
+        if name in saved:
+            for mod in experts.expert_modules(layer):
+                if getattr(mod, "ep", None) is not None:
+                    experts.set_order(mod, experts.check_order(saved[name], len(mod.order), pipe.ep.size))
+    pipe.ep.orders.update({k: tuple(v) for k, v in saved.items()})
+
+
 def load(pipe: Pipeline, path: Path) -> int:
     """Load this rank's layers (and their AdamW state) from `path`; returns the step to resume at."""
     meta = read_meta(path)
@@ -230,8 +281,11 @@ def load(pipe: Pipeline, path: Path) -> int:
                     "exp_avg": torch.zeros_like(rows, memory_format=torch.preserve_format),
                     "exp_avg_sq": torch.zeros_like(rows, memory_format=torch.preserve_format),
                 }
-    sd = _state_dict(pipe, with_optim=meta.get("has_optimizer_state", True))
-    # state_dict() tensors share storage with the parameters: DCP loads into them in place.
+    restore_placement(pipe, meta.get("expert_placement") or {})
+    sd, after = _state_dict(pipe, with_optim=meta.get("has_optimizer_state", True), loading=True)
+    # state_dict() tensors share storage with the parameters: DCP loads into them in place;
+    # whole expert tensors load into buffers, whose rows `_scatter` copies to this rank's.
     safeload.load(sd, path)  # reads no pickle that could run code (docs/checkpoints.md)
+    _scatter(after)
     _fill_tied_copy(pipe)
     return int(meta["step"])

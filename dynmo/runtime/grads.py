@@ -15,7 +15,7 @@ from dynmo.config import ModelConfig
 from dynmo.model.layers import LayerSpec, layer_class, tag_layer
 from dynmo.runtime import optim
 from dynmo.runtime.dist import DistContext
-from dynmo.runtime.experts import is_expert_param
+from dynmo.runtime.experts import is_expert_param, local_experts, module_of
 
 
 def local_grads(layers: dict[int, nn.Module]) -> list[torch.Tensor]:
@@ -108,7 +108,7 @@ class NormSlots:
         which each expert parameter's squared norm is summed first (each rank holds its rows)."""
         sq = torch.zeros(self.num_layers + 2 * self.size, dtype=torch.float32, device=device)
         if ep_group is not None:
-            per_param = _expert_summed({i: optim.param_sq_norms(layer, tie.norm_skip(i) if tie is not None else ())
+            per_param = _expert_summed(layers, {i: optim.param_sq_norms(layer, tie.norm_skip(i) if tie is not None else ())
                                         for i, layer in layers.items()}, ep_group, device)
         for i, layer in layers.items():
             skip = tie.norm_skip(i) if tie is not None else ()
@@ -139,16 +139,27 @@ class NormSlots:
         return out
 
 
-def _expert_summed(norms: dict[int, dict[str, torch.Tensor]], group: dist.ProcessGroup,
-                   device: torch.device) -> dict[int, dict[str, torch.Tensor]]:
-    """`norms` ({layer: {parameter: squared norm}}) with every expert parameter's summed over
-    the expert-parallel group (one all-reduce; the group's ranks hold the same layers)."""
+def _expert_summed(layers: dict[int, nn.Module], norms: dict[int, dict[str, torch.Tensor]],
+                   group: dist.ProcessGroup, device: torch.device) -> dict[int, dict[str, torch.Tensor]]:
+    """`norms` ({layer: {parameter: squared norm}}) with every expert parameter's the sum over
+    all its experts, in expert index order: each rank puts its rows' squared norms at their
+    experts' indices, one all-reduce fills every index (each is non-zero on one rank only, so
+    the sum is exact), and the per-expert norms are summed in index order. So the norm, and the
+    clipping, do not depend on which rank holds which expert (`experts.apply_placement`)."""
     keys = [(i, n) for i in sorted(norms) for n in norms[i] if is_expert_param(n)]
     if keys:
-        v = torch.stack([norms[i][n] for i, n in keys]).to(device)
+        rows = []
+        for i, n in keys:
+            p = layers[i].get_parameter(n)
+            mod = module_of(layers[i], n)
+            per = p.grad.detach().float().pow(2).reshape(p.shape[0], -1).sum(1)
+            v = torch.zeros(len(mod.order), dtype=torch.float32, device=per.device)
+            v[torch.tensor(local_experts(mod), device=per.device)] = per
+            rows.append(v)
+        v = torch.stack(rows).to(device)
         dist.all_reduce(v, group=group)
         for (i, n), x in zip(keys, v):
-            norms[i][n] = x
+            norms[i][n] = x.sum()
     return norms
 
 

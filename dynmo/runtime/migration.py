@@ -7,7 +7,8 @@ A layer travels as one `Packet` (`dynmo.runtime.transfer`): its weights (`w.`), 
 (`parallel.shard = "full"`, `dynmo.runtime.fsdp`) each replica ships its own shards to the
 same replica of the new stage; so does each replica's share of the experts under expert
 parallelism (`parallel.ep`, `dynmo.runtime.experts`): the pipeline group is the replica's, so
-the receiver is the same data-parallel index of the new stage, and it holds the same experts.
+the receiver is the same data-parallel index of the new stage, and it holds the same experts
+(every group holds a layer's experts under one placement, `experts.ExpertGroup.orders`).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def unpack_layer(pkt: Packet, model: ModelConfig, device: torch.device, extras: 
     expert-parallel handle `ep`, holding this rank's experts (what the same replica shipped)."""
     spec: LayerSpec = pkt.header["spec"]
     if mesh is None:
-        layer = experts.localize(empty_layer(spec, model, device), ep)
+        layer = experts.localize(empty_layer(spec, model, device), ep, spec.prefix)  # the layer's placement
     else:
         layer = fsdp.empty_sharded(spec, model, device, mesh)
     for ex in extras:  # structure first (e.g. an exit classifier), so the weights fit

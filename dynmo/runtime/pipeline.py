@@ -95,18 +95,19 @@ class Pipeline:
         whole layer at a time."""
         m, dev = self.cfg.model, self.ctx.device
 
-        def placed(layer: nn.Module) -> nn.Module:
-            layer = experts.localize(layer, self.ep)  # built whole (the same weights), then this rank's experts
+        def placed(layer: nn.Module, i: int) -> nn.Module:
+            # built whole (the same weights), then this rank's experts under the layer's placement
+            layer = experts.localize(layer, self.ep, self.specs[i].prefix)
             return layer if self.mesh is None else fsdp.shard(layer, self.mesh)
 
         if not m.hf_path:
-            return {i: placed(build_layer(self.specs[i], m, self.cfg.train.seed, dev)) for i in indices}
+            return {i: placed(build_layer(self.specs[i], m, self.cfg.train.seed, dev), i) for i in indices}
         layers = {}
         with HFReader(m.hf_path) as reader:
             for i in indices:
                 layer = empty_layer(self.specs[i], m, dev)
                 load_layer(layer, self.specs[i], m, reader)
-                layers[i] = placed(layer)
+                layers[i] = placed(layer, i)
         self.hf_read = (len(reader.names_read), reader.bytes_read)
         return layers
 
@@ -251,7 +252,7 @@ class Pipeline:
                 return report
             self.ctx = ctx
             if self.ep is not None:  # the expert-parallel groups of the shrunk job
-                self.ep = experts.group_of(ctx)
+                self.ep = experts.group_of(ctx, self.ep.orders)
                 for layer in self.layers.values():
                     experts.rebind(layer, self.ep)
             if self.mesh is not None:  # layers arriving later shard over the new group
@@ -265,6 +266,26 @@ class Pipeline:
         self._build_schedule()
         report.seconds = time.perf_counter() - t0
         return report
+
+    def replace_experts(self, new: dict[str, tuple[int, ...]]) -> dict:
+        """Move the experts of the MoE layers named in `new` ({layer name: order}) to those
+        placements (`experts.apply_placement`), weights, gradients and AdamW state. Call on every
+        active rank between two steps, with the same `new`. Returns the `replacement` event:
+        the bytes moved (summed over the ranks) and the seconds (the slowest rank's)."""
+        if self.ep is None:
+            raise ValueError("moving experts needs expert parallelism (parallel.ep > 1)")
+        t0 = time.perf_counter()
+        old = {n: self.ep.orders.get(n) for n in new}
+        names = {i: self.specs[i].prefix for i in self.layers}
+        got = experts.apply_placement(self.layers, names, self.optimizer, self.ep, new)
+        total = torch.tensor([float(got), time.perf_counter() - t0], dtype=torch.float64, device=self.ctx.device)
+        figures = [torch.zeros_like(total) for _ in range(self.ctx.active_world)]
+        torch.distributed.all_gather(figures, total, group=self.ctx.active_group)
+        n = self.cfg.model.moe.num_experts
+        moved = {k: experts.moved_experts(old[k] or experts.contiguous(n), o, self.ep.size) for k, o in new.items()}
+        return {"type": "replacement", "placements": {k: list(o) for k, o in new.items()},
+                "experts_moved": {k: v for k, v in moved.items() if v},
+                "bytes": int(sum(f[0] for f in figures)), "seconds": float(max(f[1] for f in figures))}
 
     def optimizer_states(self) -> dict[int, dict]:
         """{local layer index: its AdamW state by parameter name}, to carry across a rebuild."""

@@ -1,0 +1,218 @@
+"""Moving experts between the ranks of an expert-parallel group while training
+(`parallel.replace_experts`, `dynmo.runtime.experts.apply_placement`).
+
+Which rank holds an expert does not change its numbers: a run whose experts are re-placed
+before a step trains bitwise like the run without it (losses, validation losses, gradient
+norms), ends with bitwise the same checkpoint tensors, and a resume from a checkpoint saved
+under a re-placed layout restores the placement. The bookkeeping (which rows go where) is
+checked on many random placements, the exchange itself on spawned gloo processes against the
+whole tensors, and bad settings are refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from dynmo.checks import parse_replacements, validate
+from dynmo.config import ConfigError
+from dynmo.runtime.experts import contiguous, moved_experts, plan_moves
+from tests.conftest import metrics, run_train
+from tests.reference import tiny_config
+from tests.test_expert_parallel import flat, losses
+
+
+# ---- the bookkeeping ---------------------------------------------------------------------------
+
+def _apply(rows: list[list], plan: dict, ranks: int) -> list[list]:
+    """What `plan_moves`' plan makes of per-rank rows (each row names its expert)."""
+    L = len(rows[0])
+    out = [[None] * L for _ in range(ranks)]
+    for (src, dst), moves in plan.items():
+        for e, s, d in moves:
+            assert rows[src][s] == e
+            assert out[dst][d] is None  # every slot filled once
+            out[dst][d] = rows[src][s]
+    return out
+
+
+@pytest.mark.parametrize("experts,ranks", [(4, 2), (8, 2), (8, 4), (12, 3), (16, 8), (6, 6), (5, 1)])
+def test_the_plan_puts_every_expert_in_its_new_slot_and_ships_only_those_whose_rank_changes(experts, ranks):
+    rnd = random.Random(experts * 100 + ranks)
+    L = experts // ranks
+    for _ in range(200):
+        old, new = list(range(experts)), list(range(experts))
+        rnd.shuffle(old)
+        rnd.shuffle(new)
+        plan = plan_moves(old, new, ranks)
+        rows = [old[q * L:(q + 1) * L] for q in range(ranks)]
+        assert _apply(rows, plan, ranks) == [new[q * L:(q + 1) * L] for q in range(ranks)]
+        travel = sorted(e for (a, b), m in plan.items() if a != b for e, _, _ in m)
+        assert travel == moved_experts(old, new, ranks)
+        assert travel == sorted(e for e in range(experts) if old.index(e) // L != new.index(e) // L)
+        for moves in plan.values():  # each pair's rows in destination slot order: both ends agree
+            assert [d for _, _, d in moves] == sorted(d for _, _, d in moves)
+    assert plan_moves(contiguous(experts), contiguous(experts), ranks) == {
+        (q, q): [(q * L + j, j, j) for j in range(L)] for q in range(ranks)}
+    with pytest.raises(ValueError, match="not orders of the same experts"):
+        plan_moves(list(range(experts)), [0] * experts, ranks)
+
+
+# ---- the knob ---------------------------------------------------------------------------------
+
+MOE = ["--model.block", "moe", "--model.moe.num_experts", "4", "--parallel.dp", "2"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--parallel.replace_experts", "2:1,0,3,2"], "parallel.ep = 1: use parallel.ep > 1"),
+    (["--parallel.ep", "2", "--parallel.replace_experts", "2:1,0,3,3"], "is not a permutation of the experts 0..3"),
+    (["--parallel.ep", "2", "--parallel.replace_experts", "2:1,0,3"], "3 experts listed, the model has moe.num_experts = 4"),
+    (["--parallel.ep", "2", "--parallel.replace_experts", "2:1,0,3,2,4"], "5 experts listed"),
+    (["--parallel.ep", "2", "--parallel.replace_experts", "9:1,0,3,2"], "step 9 is not a step of the run (steps 0..4"),
+    (["--parallel.ep", "2", "--parallel.replace_experts", "-1:1,0,3,2"], "step -1 is not a step of the run"),
+    (["--parallel.ep", "2", "--parallel.replace_experts", "2:7:1,0,3,2"], "block 7 is not a block of the model (0..3)"),
+    (["--parallel.ep", "2", "--parallel.replace_experts", "2"], "must look like STEP:ORDER or STEP:BLOCK:ORDER"),
+    (["--parallel.ep", "2", "--parallel.replace_experts", "x:1,0,3,2"], "must be whole numbers"),
+    (["--parallel.ep", "2", "--parallel.replace_experts", "2:1,0,3,2;2:1:0,1,2,3"],
+     "step 2 already re-places this block"),
+])
+def test_bad_replacements_are_refused(args, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        validate(tiny_config(*MOE, "--train.steps", "5", *args), 2)
+
+
+def test_replacements_parse_per_block_and_for_every_block():
+    cfg = tiny_config(*MOE, "--parallel.ep", "2", "--train.steps", "5", "--parallel.replace_experts",
+                      "1:2,3,0,1;3:2:1,0,2,3;3:0:3,2,1,0")
+    validate(cfg, 2)
+    assert parse_replacements(cfg) == {1: {f"block{b}": (2, 3, 0, 1) for b in range(4)},
+                                       3: {"block2": (1, 0, 2, 3), "block0": (3, 2, 1, 0)}}
+
+
+def test_the_launcher_refuses_a_bad_one_in_one_line_before_work(tmp_path):
+    from tests.test_bad_input import assert_rejected, dynmo_train
+
+    p, _ = dynmo_train(tmp_path, *MOE, "--parallel.ep", "2", "--parallel.replace_experts", "1:0,0,1,2", nproc=2)
+    assert_rejected(p, tmp_path, "is not a permutation of the experts 0..3")
+
+
+# ---- the exchange, on spawned gloo processes ---------------------------------------------------
+
+def _exchange(rank: int, world: int, store: str) -> None:
+    """One MoE block, experts spread over `world` processes, trained one AdamW step so it has
+    state; then a series of random re-placements: after each, every rank's rows of every weight,
+    gradient and AdamW moment are the whole tensor's rows of the experts it now holds, the step
+    counts are unchanged, and the whole tensor gathered by index (what a checkpoint stores) is
+    the same as before any move."""
+    import torch.distributed as dist
+
+    from dynmo.model.layers import LayerSpec, build_layer
+    from dynmo.runtime.experts import (ExpertGroup, apply_placement, expert_modules, is_expert_param, local_experts,
+                                       localize, whole)
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        cfg = tiny_config("--model.block", "moe", "--model.moe.num_experts", "8").model
+        ep = ExpertGroup(world, rank, dist.group.WORLD, "gloo")
+        layer = localize(build_layer(LayerSpec("t", 1), cfg, seed=3), ep, "block0")
+        opt = torch.optim.AdamW(layer.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(2, cfg.seq_len, cfg.d_model, generator=g)
+        y, aux = layer.forward_with_aux(x, torch.ones(2, cfg.seq_len, dtype=torch.bool))
+        (y.square().mean() + aux).backward()
+        opt.step()  # state: step 1, moments
+        for p in layer.parameters():
+            if p.grad is not None:
+                p.grad.add_(1.0)  # a gradient that is not the one AdamW saw: it moves too
+        named = {n: p for n, p in layer.named_parameters() if is_expert_param(n)}
+
+        def tensors(n: str, p) -> dict[str, torch.Tensor]:
+            st = opt.state[p]
+            return {"w": p.detach(), "g": p.grad, "m": st["exp_avg"], "v": st["exp_avg_sq"]}
+
+        ref = {(n, k): whole(layer, n, t).clone() for n, p in named.items() for k, t in tensors(n, p).items()}
+        ids = {n: id(p) for n, p in named.items()}
+        rnd = random.Random(11)
+        for _ in range(6):
+            order = list(range(8))
+            rnd.shuffle(order)
+            dist.broadcast_object_list(obj := [order], src=0)
+            got = apply_placement({1: layer}, {1: "block0"}, opt, ep, {"block0": tuple(obj[0])})
+            (mod,) = expert_modules(layer)
+            assert mod.order == tuple(obj[0]) and ep.orders["block0"] == tuple(obj[0])
+            mine = local_experts(mod)
+            assert mine == obj[0][rank * (8 // world):(rank + 1) * (8 // world)]
+            assert got >= 0
+            for n, p in layer.named_parameters():
+                if n not in named:
+                    continue
+                assert id(p) == ids[n] and opt.state[p]["step"].item() == 1.0
+                for k, t in tensors(n, p).items():
+                    assert torch.equal(t, ref[(n, k)][mine]), (n, k)
+                    assert torch.equal(whole(layer, n, t), ref[(n, k)]), (n, k)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.dist  # spawns gloo processes: seconds, not milliseconds
+@pytest.mark.parametrize("world", [2, 4])
+def test_moving_experts_carries_their_weights_gradients_and_adamw_state(tmp_path, world):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_exchange, args=(world, str(tmp_path / "store")), nprocs=world, join=True)
+
+
+# ---- end to end -------------------------------------------------------------------------------
+
+STEPS = 6
+COMMON = ["--config", "configs/moe.toml", "--steps", str(STEPS), "--train.microbatches", "2", "--train.eval_every", "3",
+          "--balance.when", "never", "--model.moe.num_experts", "4", "--parallel.ep", "2", "--train.grad_clip", "0.05"]
+
+
+def _norms(out: Path) -> list[float]:
+    return [r["grad_norm"] for r in metrics(out)]
+
+
+@pytest.mark.dist
+def test_a_run_with_experts_moved_trains_bitwise_as_without_and_resumes_with_its_placement(tmp_path):
+    """gpt `moe`, dp 2 x pp 1, ep 2: every block's experts re-placed before step 2 and block 1's
+    again before step 4 give bitwise the losses, validation losses, gradient norms (clipped
+    hard, so the norm decides every update) and final checkpoint of the run without it; the
+    checkpoint at step 3 records the placement and a resume from it continues bitwise. dp 2 x
+    pp 2: a re-placement and then a re-layout (the layers migrate with their placement)."""
+    dp2 = [*COMMON, "--parallel.dp", "2", "--checkpoint.every", "3", "--checkpoint.final", "true"]
+    moves = ["--parallel.replace_experts", "2:3,1,0,2;4:1:3,0,1,2"]  # a list option: entries split at ";"
+    base, moved = tmp_path / "base", tmp_path / "moved"
+    run_train(base, *dp2, nproc=2)
+    run_train(moved, *dp2, *moves, nproc=2)
+    assert len(losses(base)) == STEPS + 2
+    assert losses(moved) == losses(base)
+    assert _norms(moved) == _norms(base) and any(n > 0.05 for n in _norms(base))
+    events = [(r["step"], e) for r in metrics(moved) for e in r["events"] if e["type"] == "replacement"]
+    assert [s for s, _ in events] == [2, 4]
+    assert events[0][1]["experts_moved"] == {f"block{b}": [0, 3] for b in range(4)}
+    assert events[1][1]["experts_moved"] == {"block1": [0, 1]}  # block 1: 3,1 | 0,2 -> 3,0 | 1,2
+    assert all(e["bytes"] > 0 and e["seconds"] >= 0 for _, e in events)
+    a, b = flat(base / "checkpoint-final", tmp_path), flat(moved / "checkpoint-final", tmp_path)
+    assert a.keys() == b.keys() and any(".experts." in k for k in a)
+    assert all(torch.equal(a[k], b[k]) for k in a if isinstance(a[k], torch.Tensor))
+    saved = json.loads((moved / "checkpoint-3" / "dynmo.json").read_text())["expert_placement"]
+    assert saved == {f"block{b}": [3, 1, 0, 2] for b in range(4)}
+    resumed = tmp_path / "resumed"
+    run_train(resumed, *dp2, *moves, "--checkpoint.resume", str(moved / "checkpoint-3"), nproc=2)
+    assert [r["step"] for r in metrics(resumed)] == list(range(3, STEPS))
+    assert [r["loss"] for r in metrics(resumed)] == [r["loss"] for r in metrics(base)][3:]
+    c = flat(resumed / "checkpoint-final", tmp_path)
+    assert all(torch.equal(a[k], c[k]) for k in a if isinstance(a[k], torch.Tensor))
+
+    pp2 = [*COMMON, "--parallel.dp", "2"]
+    still, both = tmp_path / "pp2", tmp_path / "pp2-moved"
+    run_train(still, *pp2, nproc=4)
+    run_train(both, *pp2, "--parallel.replace_experts", "2:2,3,1,0", "--parallel.relayout", "3:0,2,6", nproc=4)
+    assert losses(both) == losses(still)
+    kinds = [e["type"] for r in metrics(both) for e in r["events"] if e["type"] in ("replacement", "migration")]
+    assert kinds == ["replacement", "migration"]
