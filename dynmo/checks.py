@@ -174,6 +174,18 @@ def parse_replacements(cfg: Config) -> dict[int, dict[str, tuple[int, ...]]]:
     return out
 
 
+def check_expert_balance(cfg: Config) -> None:
+    """`balance.experts` ("never" | "auto") and `balance.experts_every`."""
+    b = cfg.balance
+    if b.experts not in ("never", "auto"):
+        raise ConfigError(f"balance.experts = {b.experts!r}: choose never or auto")
+    if type(b.experts_every) is not int or b.experts_every < 1:
+        raise ConfigError(f"balance.experts_every = {b.experts_every!r}: use a whole number of steps >= 1")
+    if b.experts == "auto" and cfg.parallel.ep <= 1:
+        raise ConfigError(f"balance.experts = \"auto\" places experts over expert-parallel ranks, and parallel.ep = "
+                          f"{cfg.parallel.ep}: use parallel.ep > 1 or balance.experts = \"never\"")
+
+
 def validate(cfg: Config, world: int) -> list[str]:
     """Raise ConfigError naming the problem and the fix. `world` = number of ranks.
 
@@ -242,6 +254,7 @@ def validate(cfg: Config, world: int) -> list[str]:
         explicit_layout(p.layout, cfg, stages, "parallel.layout")
     parse_relayouts(cfg, stages)
     parse_replacements(cfg)
+    check_expert_balance(cfg)
     bc = cfg.balance
     check_balance(bc)
     changes = cfg.prune.enabled or cfg.freeze.enabled or cfg.early_exit.enabled or (cfg.skew.factor > 1)

@@ -159,6 +159,12 @@ class BalanceConfig:
     # steps must confirm a proposed move (0: move on the window's evidence alone)
     confidence: float = 0.95
     confirm: int = 2
+    # Expert placement (parallel.ep > 1): "never", or "auto": every experts_every steps rank 0
+    # re-places the experts of an MoE layer when its measured routing says the busiest
+    # expert-parallel rank would get lighter beyond the routing's step-to-step variation
+    # (min_gain, confidence) and the saving repays the move (dynmo.runtime.expert_balance)
+    experts: str = "never"
+    experts_every: int = 5
     # Re-packing: move all layers onto fewer pipeline ranks when the slowest stage would stay
     # within (1 + repack_tolerance) of the best all-rank layout; released ranks exit.
     repack: bool = False

@@ -30,7 +30,8 @@ from dynmo.layout import Layout
 from dynmo.loop import DynmoLoop, bytes_per_param
 from dynmo.model.layers import layer_param_counts
 from dynmo.record import StepRecord
-from dynmo.runtime import checkpoint, faults, probe
+from dynmo.runtime import checkpoint, experts, faults, probe
+from dynmo.runtime.expert_balance import ExpertBalancer
 from dynmo.runtime import dist as rdist
 from dynmo.runtime.failures import Diverged, last_checkpoint
 from dynmo.runtime.host import PipelineHost
@@ -85,6 +86,13 @@ class Trainer:
                 c.after_load(self.start_step)
         self.relayouts = plan.parse_relayouts(cfg, num_stages)
         self.replacements = parse_replacements(cfg)  # forced expert re-placements {step: {layer: order}}
+        self.expert_balancer = None  # balance.experts = "auto": rank 0 decides from the measured routing
+        if cfg.balance.experts == "auto" and self.pipe.ep is not None:
+            b = cfg.balance
+            self.expert_balancer = ExpertBalancer(
+                ranks=ctx.ep, groups=ctx.dp // ctx.ep, names=[s.prefix for s in self.pipe.specs],
+                expert_bytes=12.0 * experts.params_per_expert(self.pipe.specs, cfg.model),  # fp32 weights, 2 moments
+                every=b.experts_every, window=b.window, min_gain=b.min_gain, confidence=b.confidence, horizon=b.horizon)
         if self.resumed_grow is not None:
             # The grow's own step: resuming onto its layout applied it (and any forced re-layout
             # of that step before it). A grow onto fewer stages than this world re-packs onto it.
@@ -149,6 +157,8 @@ class Trainer:
             events.append(self._migrate(self.relayouts[step]) | {"reason": "forced"})
         if step in self.replacements and not self.pipe.released:
             events.append(self.pipe.replace_experts(self.replacements[step]) | {"reason": "forced"})
+        if self.expert_balancer is not None and not self.pipe.released:
+            events += self._balance_experts(step)
         if not self.pipe.released:
             events += self._rebalance(step)
         if not self.pipe.released and self.growing is None:
@@ -209,6 +219,19 @@ class Trainer:
         event = self._migrate(decision.layout) | self.loop.event(decision, decide_s)
         self.loop.applied(self.pipe.microbatches)
         return [event]
+
+    def _balance_experts(self, step: int) -> list[dict]:
+        """balance.experts = "auto": rank 0 decides from the measured routing, every rank moves."""
+        decision, weighed = None, None
+        if self.ctx.is_logger:
+            eb = self.expert_balancer
+            decision = eb.decide(step, dict(self.pipe.ep.orders), self.cfg.train.steps - step)
+            weighed = {k: v for k, v in eb.last.items() if k in decision}
+        obj = [decision, weighed]
+        dist.broadcast_object_list(obj, src=0, group=self.ctx.active_group)
+        if not obj[0]:
+            return []
+        return [self.pipe.replace_experts(obj[0]) | {"reason": "auto", "weighed": obj[1]}]
 
     # ---- batches -------------------------------------------------------------------------
     def _local_batch(self, step: int, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
@@ -286,6 +309,8 @@ class Trainer:
                            f"training stopped before saving anything from it. {last_checkpoint(self.out)} "
                            "Lower train.lr, raise train.warmup_steps or set train.grad_clip, then resume.")
         self.loop.observe(rec)
+        if self.expert_balancer is not None:
+            self.expert_balancer.observe(rec)
         if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0:
             rec.val_loss = self.validate()
         return rec

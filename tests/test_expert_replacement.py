@@ -216,3 +216,90 @@ def test_a_run_with_experts_moved_trains_bitwise_as_without_and_resumes_with_its
     assert losses(both) == losses(still)
     kinds = [e["type"] for r in metrics(both) for e in r["events"] if e["type"] in ("replacement", "migration")]
     assert kinds == ["replacement", "migration"]
+
+
+# ---- balance.experts = "auto": decided from the measured routing --------------------------------
+
+def _records(loads_of_step, steps: int, layer_s: float = 0.05, names=("embed", "block0", "head")):
+    """Step records with injected routing (`moe_tokens_per_expert` of block0) and layer times."""
+    from dynmo.record import StepRecord
+
+    return [StepRecord(step=k, microbatches=2, layer_cost_s=[0.0, layer_s, 0.0],
+                       stats={"moe_tokens_per_expert": [None, list(loads_of_step(k)), None]}) for k in range(steps)]
+
+
+def _balancer(**kw):
+    from dynmo.runtime.expert_balance import ExpertBalancer
+
+    return ExpertBalancer(**({"ranks": 2, "groups": 1, "names": ["embed", "block0", "head"], "expert_bytes": 1e5,
+                              "every": 2, "window": 3} | kw))
+
+
+def test_auto_moves_experts_apart_when_the_routing_keeps_two_hot_ones_together():
+    from dynmo.balance.experts import place_experts
+    from dynmo.runtime.expert_balance import busiest
+
+    rnd = random.Random(1)
+    hot = lambda k: [100 + rnd.uniform(-5, 5), 90 + rnd.uniform(-5, 5), 10 + rnd.uniform(-2, 2), 5]  # noqa: E731
+    eb = _balancer()
+    decisions = {}
+    for rec in _records(hot, 14):
+        new = eb.decide(rec.step, {}, 100 - rec.step)
+        if new:
+            decisions[rec.step] = new
+            break
+        eb.observe(rec)
+    (step, new), = decisions.items()
+    assert step == 10  # the first look (every 2 steps) with 5 steps to choose and 5 to judge
+    order = new["block0"]
+    assert sorted(order) == [0, 1, 2, 3] and {frozenset(order[:2]), frozenset(order[2:])} == {
+        frozenset({0, 3}), frozenset({1, 2})}  # the hot experts 0 and 1 apart
+    mean = [95.0, 90.0, 10.0, 5.0]
+    assert busiest(order, mean, 2) == pytest.approx(place_experts(mean, 2).busiest, abs=5)
+    w = eb.last["block0"]
+    assert w["significant"] and w["saving_s"] > w["predicted_s"] and w["gain"] > 0.3
+
+
+def test_auto_keeps_the_placement_under_balanced_noisy_routing_or_when_the_move_does_not_repay():
+    rnd = random.Random(2)
+    noisy = lambda k: [50 + rnd.uniform(-20, 20) for _ in range(4)]  # noqa: E731
+    eb = _balancer()
+    for rec in _records(noisy, 20):
+        assert eb.decide(rec.step, {}, 100) == {}
+        eb.observe(rec)
+    assert eb.decide(20, {}, 100) == {} and not eb.last["block0"]["significant"]
+    # a real gain, but the layer is so fast that moving its experts costs more than it saves
+    eb = _balancer()
+    for rec in _records(lambda k: [100, 90 + k % 2, 10, 5], 10, layer_s=1e-7):
+        eb.observe(rec)
+    assert eb.decide(10, {}, 100) == {}
+    w = eb.last["block0"]
+    assert w["significant"] and w["saving_s"] < w["predicted_s"]
+    # already apart: nothing to propose
+    eb = _balancer()
+    for rec in _records(lambda k: [100, 90, 10, 5], 10):
+        eb.observe(rec)
+    assert eb.decide(10, {"block0": (0, 3, 1, 2)}, 100) == {}
+
+
+def test_a_measured_replacement_refits_the_move_and_restarts_the_evidence():
+    from dynmo.record import StepRecord
+
+    eb = _balancer()
+    for rec in _records(lambda k: [100, 90, 10, 5], 4):
+        eb.observe(rec)
+    assert "block0" in eb.loads
+    eb.observe(StepRecord(step=4, events=[{"type": "replacement", "placements": {"block0": [0, 3, 1, 2]},
+                                           "bytes": 2_000_000, "seconds": 0.03}]))
+    assert eb.bandwidth == pytest.approx(2_000_000 / (0.03 - eb.fixed_s))
+    assert "block0" not in eb.loads  # fresh evidence under the new placement
+
+
+def test_balance_experts_is_checked():
+    with pytest.raises(ConfigError, match="balance.experts = 'sometimes': choose never or auto"):
+        validate(tiny_config(*MOE, "--parallel.ep", "2", "--balance.experts", "sometimes"), 2)
+    with pytest.raises(ConfigError, match="parallel.ep = 1: use parallel.ep > 1 or balance.experts"):
+        validate(tiny_config(*MOE, "--balance.experts", "auto"), 2)
+    with pytest.raises(ConfigError, match="balance.experts_every = 0"):
+        validate(tiny_config(*MOE, "--parallel.ep", "2", "--balance.experts", "auto", "--balance.experts_every", "0"), 2)
+    validate(tiny_config(*MOE, "--parallel.ep", "2", "--balance.experts", "auto"), 2)

@@ -159,6 +159,20 @@ def rebind(layer: nn.Module, ep: ExpertGroup) -> None:
         mod.ep = ep
 
 
+def params_per_expert(specs, model) -> int:
+    """Parameters of one expert of the model's MoE layers (0 without experts), from a block
+    built on the meta device."""
+    from dynmo.model.layers import layer_class, tag_layer
+
+    with torch.device("meta"):
+        for spec in specs:
+            if spec.is_block and spec.part != "attn":
+                mods = expert_modules(tag_layer(layer_class(spec, model)(model), spec))
+                if mods:
+                    return sum(p.numel() for m in mods for p in m.parameters()) // model.moe.num_experts
+    return 0
+
+
 def module_of(layer: nn.Module, pname: str) -> nn.Module:
     """The experts module that parameter `pname` of `layer` belongs to."""
     head, _, _ = f".{pname}".rpartition(".experts.")

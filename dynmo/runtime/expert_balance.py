@@ -1,0 +1,134 @@
+"""`balance.experts = "auto"`: re-place the experts of each MoE layer when the measured routing
+says a placement would lighten its busiest expert-parallel rank by more than the routing's
+own step-to-step variation, and the saving repays the move. Pure (no torch): the trainer feeds
+it the step records on rank 0 and broadcasts what it decides.
+
+Every `balance.experts_every` steps, per MoE layer, over the observed steps (at least
+2 x max(`balance.window`, MIN_JUDGE), at most `evidence.EVIDENCE_STEPS`), split into an older half that chooses
+and a newer half that judges (a placement chosen on the steps that judge it would win on their
+noise alone):
+
+  propose   `dynmo.balance.experts.place_experts` on the mean tokens per expert of the older
+            half (`moe_tokens_per_expert`), no copies; its ranks renamed (`align`) so the fewest
+            experts move from the current placement.
+  gains     per newer step k, g_k = 1 - busiest(proposal, loads_k) / busiest(current, loads_k):
+            the saving on each step's own routing (`evidence.gains`).
+  evidence  `dynmo.controller.evidence.significant(g, balance.min_gain, level(confidence))`:
+            the trimmed mean gain minus its t-scaled standard error must clear
+            `balance.min_gain`.
+  repay     mean gain x the layer's measured seconds per step x the steps left (at most
+            `balance.horizon`) must exceed the move's predicted seconds, `fixed_s + bytes /
+            bandwidth` (`dynmo.controller.migration`'s prior, refitted from every measured
+            `replacement` event). The layer's whole measured time stands for the time its
+            busiest rank spends in the experts: an upper bound on what the placement can save,
+            so the repay test is the weaker of the two.
+
+A layer that moved is not looked at again before `balance.window` fresh steps have run under
+its new placement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dynmo.balance.experts import Placement, align, move_cost, place_experts
+from dynmo.controller import evidence, migration
+from dynmo.record import StepRecord
+
+MIN_JUDGE = 5  # fewest steps that judge a proposal: fewer lets a few alike steps pass the t-test by chance
+
+
+def placement_of(order: tuple[int, ...] | list[int], ranks: int) -> Placement:
+    """An order of the experts (rank by rank, slot by slot) as the solver's `Placement`."""
+    L = len(order) // ranks
+    where = {e: p // L for p, e in enumerate(order)}
+    return Placement(tuple((where[e],) for e in range(len(order))), tuple((1.0,) for _ in order), ranks)
+
+
+def order_of(p: Placement) -> tuple[int, ...]:
+    """The solver's placement (no copies) as an order of the experts, rank by rank."""
+    return tuple(e for rank in p.rank_experts() for e in rank)
+
+
+def busiest(order, loads, ranks: int) -> float:
+    L = len(order) // ranks
+    return max(sum(loads[e] for e in order[q * L:(q + 1) * L]) for q in range(ranks))
+
+
+@dataclass
+class ExpertBalancer:
+    ranks: int  # parallel.ep
+    groups: int  # expert-parallel groups per pipeline position: dp / ep (each moves the same bytes)
+    names: list[str]  # per placement unit: the model layer's name (what placements are keyed by)
+    expert_bytes: float  # bytes one expert ships: weights and both AdamW moments
+    every: int = 5
+    window: int = 3
+    min_gain: float = 0.01
+    confidence: float = evidence.CONFIDENCE
+    horizon: int = 50
+    fixed_s: float = migration.MIGRATION_FIXED_S
+    bandwidth: float = migration.MIGRATION_BANDWIDTH
+    loads: dict[str, list[list[float]]] = field(default_factory=dict)  # layer -> per step tokens per expert
+    seconds: dict[str, list[float]] = field(default_factory=dict)  # layer -> per step measured seconds
+    last: dict = field(default_factory=dict)  # what the last decision weighed, per layer (for its event)
+
+    def observe(self, rec: StepRecord) -> None:
+        """One step's routing and layer times; a `replacement` event refits the move's cost."""
+        tpe = rec.stats.get("moe_tokens_per_expert") or []
+        per_step: dict[str, float] = {}
+        for i, loads in enumerate(tpe):
+            if loads is None or i >= len(self.names):
+                continue
+            name = self.names[i]
+            self.loads.setdefault(name, []).append([float(x) for x in loads])
+            cost = rec.layer_cost_s[i] if i < len(rec.layer_cost_s) else 0.0
+            per_step[name] = per_step.get(name, 0.0) + cost * max(1, rec.microbatches)
+        for name, s in per_step.items():
+            self.seconds.setdefault(name, []).append(s)
+        for e in rec.events:
+            if e.get("type") == "replacement":
+                self.fixed_s, self.bandwidth = migration.refit(self.fixed_s, self.bandwidth, int(e.get("bytes", 0)),
+                                                               float(e.get("seconds", 0.0)))
+                for name in e.get("placements", {}):
+                    self.loads.pop(name, None)  # fresh evidence under the new placement
+                    self.seconds.pop(name, None)
+
+    def decide(self, step: int, orders: dict[str, tuple[int, ...]], steps_left: int) -> dict[str, tuple[int, ...]]:
+        """{layer: new order} for the layers worth re-placing before `step` ({} for none).
+        `orders`: the current placements (a layer absent: contiguous)."""
+        self.last = {}
+        if self.every <= 0 or step % self.every:
+            return {}
+        out: dict[str, tuple[int, ...]] = {}
+        for name, hist in self.loads.items():
+            if len(hist) < 2 * max(MIN_JUDGE, self.window):
+                continue
+            steps = hist[-evidence.EVIDENCE_STEPS:]
+            choose, judge = steps[: len(steps) // 2], steps[len(steps) // 2:]
+            n = len(steps[0])
+            current = tuple(orders.get(name) or range(n))
+            mean = [sum(s[e] for s in choose) / len(choose) for e in range(n)]
+            if sum(mean) <= 0:
+                continue
+            proposal = place_experts(mean, self.ranks).placement
+            now = placement_of(current, self.ranks)
+            proposal = align(now, proposal, self.expert_bytes)
+            new = order_of(proposal)
+            if {frozenset(current[q * (n // self.ranks):(q + 1) * (n // self.ranks)]) for q in range(self.ranks)} == \
+                    {frozenset(r) for r in proposal.rank_experts()}:
+                continue  # the same experts together: nothing to gain
+            gains = evidence.gains([busiest(current, s, self.ranks) for s in judge],
+                                   [busiest(new, s, self.ranks) for s in judge])
+            moved = move_cost(now, proposal, self.expert_bytes)
+            nbytes = moved.bytes * self.groups
+            cost_s = self.fixed_s + nbytes / self.bandwidth
+            secs = self.seconds.get(name, [0.0])[-len(judge):]
+            per_step_s = sum(secs) / len(secs)
+            mean_gain = sum(gains) / len(gains) if gains else 0.0
+            saving_s = mean_gain * per_step_s * min(self.horizon, steps_left)
+            significant = evidence.significant(gains, self.min_gain, evidence.level(self.confidence))
+            self.last[name] = {"gain": mean_gain, "significant": significant, "saving_s": saving_s,
+                               "predicted_s": cost_s, "predicted_bytes": nbytes, "steps": len(gains)}
+            if significant and saving_s > cost_s:
+                out[name] = new
+        return out
