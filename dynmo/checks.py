@@ -511,6 +511,7 @@ def check_checkpoint(cfg: Config, path: str) -> dict:
                           f"in the checkpoint and {b} in the model ({len(theirs)} vs {len(names)} layers)")
     check_checkpoint_cases(cfg, path, meta)
     check_checkpoint_grow(cfg, path, meta)
+    check_checkpoint_placement(cfg, path, meta)
     step, steps = meta["step"], cfg.train.steps
     if step > steps:
         raise ConfigError(f"checkpoint {path} is at step {step}, past train.steps={steps}; raise --steps "
@@ -524,6 +525,20 @@ def check_checkpoint(cfg: Config, path: str) -> dict:
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
     return meta
+
+
+def check_checkpoint_placement(cfg: Config, path: str, meta: dict) -> None:
+    """The experts' placements a checkpoint records (`expert_placement`: {block name: order},
+    restored on resume under expert parallelism) must be orders of the model's experts."""
+    saved = meta.get("expert_placement") or {}
+    n = cfg.model.moe.num_experts
+    blocks = {f"block{b}" for b in range(cfg.model.n_layers)}
+    ok = isinstance(saved, dict) and all(
+        k in blocks and isinstance(v, list) and all(type(e) is int for e in v) and sorted(v) == list(range(n))
+        for k, v in saved.items())
+    if not ok:
+        raise ConfigError(f"{Path(path) / 'dynmo.json'}: its 'expert_placement' record is not an order of the "
+                          f"{n} experts per MoE block; the checkpoint is damaged")
 
 
 def check_checkpoint_grow(cfg: Config, path: str, meta: dict) -> None:

@@ -303,3 +303,15 @@ def test_balance_experts_is_checked():
     with pytest.raises(ConfigError, match="balance.experts_every = 0"):
         validate(tiny_config(*MOE, "--parallel.ep", "2", "--balance.experts", "auto", "--balance.experts_every", "0"), 2)
     validate(tiny_config(*MOE, "--parallel.ep", "2", "--balance.experts", "auto"), 2)
+
+
+@pytest.mark.parametrize("saved", [{"block0": [0, 1, 1, 2]}, {"block9": [0, 1, 2, 3]}, {"block0": [0, 1, 2]},
+                                   {"block0": "0,1,2,3"}, [0, 1, 2, 3]])
+def test_a_damaged_placement_record_is_refused_before_launch(saved):
+    from dynmo.checks import check_checkpoint_placement
+
+    cfg = tiny_config(*MOE, "--parallel.ep", "2")
+    with pytest.raises(ConfigError, match="'expert_placement' record is not an order of the 4 experts"):
+        check_checkpoint_placement(cfg, "ckpt", {"expert_placement": saved})
+    check_checkpoint_placement(cfg, "ckpt", {"expert_placement": {"block3": [3, 2, 1, 0]}})
+    check_checkpoint_placement(cfg, "ckpt", {})
