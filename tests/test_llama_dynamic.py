@@ -247,7 +247,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_llama_variants_train_report_stats_and_survive_a_relayout(tmp_path, case):
     args, stat = CASES[case]
-    steps = ["--steps", "5"]
+    steps = ["--steps", "5", "--parallel.layout", "uniform"]
     run_train(tmp_path / "fixed", *steps, *LLAMA, *args)
     run_train(tmp_path / "moved", *steps, *LLAMA, *args, "--parallel.relayout", "3:0,2,6")
     fixed, moved = metrics(tmp_path / "fixed"), metrics(tmp_path / "moved")
