@@ -162,7 +162,7 @@ class BalanceConfig:
     # Expert placement (parallel.ep > 1): "never", or "auto": every experts_every steps rank 0
     # re-places the experts of an MoE layer when its measured routing says the busiest
     # expert-parallel rank would get lighter beyond the routing's step-to-step variation
-    # (min_gain, confidence) and the saving repays the move (dynmo.runtime.expert_balance)
+    # (min_gain, confidence) and the saving repays the move (dynmo.controller.experts)
     experts: str = "never"
     experts_every: int = 5
     # Re-packing: move all layers onto fewer pipeline ranks when the slowest stage would stay

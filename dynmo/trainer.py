@@ -22,6 +22,7 @@ import torch.distributed as dist
 from dynmo import plan
 from dynmo.checks import parse_replacements
 from dynmo.config import Config, to_toml
+from dynmo.controller.experts import ExpertBalancer
 from dynmo.data import TokenData, prepare
 from dynmo.dynamics.case import Case
 from dynmo.dynamics.noise import Noise, recorded_costs
@@ -31,7 +32,6 @@ from dynmo.loop import DynmoLoop, bytes_per_param
 from dynmo.model.layers import layer_param_counts
 from dynmo.record import StepRecord
 from dynmo.runtime import checkpoint, experts, faults, probe
-from dynmo.runtime.expert_balance import ExpertBalancer
 from dynmo.runtime import dist as rdist
 from dynmo.runtime.failures import Diverged, last_checkpoint
 from dynmo.runtime.host import PipelineHost

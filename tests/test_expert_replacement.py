@@ -229,7 +229,7 @@ def _records(loads_of_step, steps: int, layer_s: float = 0.05, names=("embed", "
 
 
 def _balancer(**kw):
-    from dynmo.runtime.expert_balance import ExpertBalancer
+    from dynmo.controller.experts import ExpertBalancer
 
     return ExpertBalancer(**({"ranks": 2, "groups": 1, "names": ["embed", "block0", "head"], "expert_bytes": 1e5,
                               "every": 2, "window": 3} | kw))
@@ -237,7 +237,7 @@ def _balancer(**kw):
 
 def test_auto_moves_experts_apart_when_the_routing_keeps_two_hot_ones_together():
     from dynmo.balance.experts import place_experts
-    from dynmo.runtime.expert_balance import busiest
+    from dynmo.controller.experts import busiest
 
     rnd = random.Random(1)
     hot = lambda k: [100 + rnd.uniform(-5, 5), 90 + rnd.uniform(-5, 5), 10 + rnd.uniform(-2, 2), 5]  # noqa: E731
