@@ -191,13 +191,26 @@ def save(pipe: Pipeline, path: Path, step: int, cfg: Config, cases: dict | None 
         left = f"the last complete checkpoint is {latest}" if latest else "no complete checkpoint exists yet"
         if _is_disk_full(e) or free < sum(t.numel() * t.element_size() for t in sd.values()):
             # torch's file writer reports a full disk as a short write, not always as ENOSPC
-            raise CheckpointWriteError(f"no space left on device while writing {path} ({free / 1e6:.1f} MB free); "
-                                       f"{left}") from e
-        if not isinstance(e, OSError) and any(s in str(e) for s in PEER_FAILURES):
+            err = CheckpointWriteError(f"no space left on device while writing {path} ({free / 1e6:.1f} MB free); "
+                                       f"{left}")
+        elif not isinstance(e, OSError) and any(s in str(e) for s in PEER_FAILURES):
             raise  # a peer stopped answering during the save: the caller names it
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-        raise CheckpointWriteError(f"cannot write {path}: {first}; {left}") from e
+        else:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            err = CheckpointWriteError(f"cannot write {path}: {first}; {left}")
+        if not lead:
+            # the launcher shows the line of the rank that failed first: the lead's, which measured
+            # the free space before its clean-up gave it back (a rank measuring after would not
+            # see a full disk), so the others fail once that clean-up is done (10 s at most)
+            _wait_gone(tmp, 10.0)
+        raise err from e
     dist.barrier(group=group)
+
+
+def _wait_gone(path: Path, limit_s: float) -> None:
+    end = time.monotonic() + limit_s
+    while path.exists() and time.monotonic() < end:
+        time.sleep(0.05)
 
 
 def _write_synced(path: Path, text: str) -> None:
