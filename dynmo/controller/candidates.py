@@ -26,6 +26,12 @@ def generated(problem: Problem, balancer: str) -> Layout:
     return Layout(tuple(result.boundaries))
 
 
+def fits(problem: Problem, layout: Layout) -> bool:
+    """Whether every stage of `layout` is within its memory capacity."""
+    mem = problem.memory_of_assignment(layout.owner())
+    return all(m <= c * (1 + 1e-9) for m, c in zip(mem, problem.cap))
+
+
 def neighbours(problem: Problem, layout: Layout) -> list[Layout]:
     """Layouts one boundary of one of the HEAVIEST stages away, every stage non-empty and within
     its memory capacity."""
@@ -39,8 +45,7 @@ def neighbours(problem: Problem, layout: Layout) -> list[Layout]:
             nb = b[:j] + [b[j] + d] + b[j + 1:]
             if nb[j - 1] < nb[j] < nb[j + 1]:
                 cand = Layout(tuple(nb))
-                mem = problem.memory_of_assignment(cand.owner())
-                if all(m <= c * (1 + 1e-9) for m, c in zip(mem, problem.cap)):
+                if fits(problem, cand):
                     out.append(cand)
     return out
 

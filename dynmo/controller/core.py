@@ -299,8 +299,7 @@ class Controller(Scoring):
                     except BalanceError:  # DeepSpeed's partition refuses problems beyond its size limit
                         continue
             self.prior_memo[stages] = tuple(dict.fromkeys(lays))
-        return tuple(lay for lay in self.prior_memo[stages]
-                     if all(m <= cap * (1 + 1e-9) for m, cap in zip(problem.memory_of_assignment(lay.owner()), problem.cap)))
+        return tuple(lay for lay in self.prior_memo[stages] if candidates.fits(problem, lay))
 
     def confidence_now(self) -> float:
         """`balance.confidence` spread over the looks at the evidence since it last started afresh

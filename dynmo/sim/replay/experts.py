@@ -88,7 +88,7 @@ import numpy as np
 
 from dynmo.balance import Problem, balance
 from dynmo.balance.experts import Placement, align, move_cost, place_experts, static_placement
-from dynmo.config import ModelConfig, MoEConfig
+from dynmo.config import ModelConfig
 from dynmo.controller.evidence import CONFIDENCE, EVIDENCE_STEPS, gains, supported
 from dynmo.controller.migration import MIGRATION_BANDWIDTH, MIGRATION_FIXED_S
 from dynmo.engine import SimInputError, StageTimes, simulate_plan, build_plan
@@ -96,6 +96,7 @@ from dynmo.flops import attention_macs, mlp_macs
 from dynmo.layout import Layout
 from dynmo.sim.replay.options import ReplayOptions, schedule_of
 from dynmo.sim.trace import Trace
+from dynmo.sim.trace.format import traced_model
 
 POLICIES = ("static", "dynmo", "oracle")
 A2A_BANDWIDTH = 25e9  # bytes/s per rank: a 200 Gb/s link per GPU
@@ -211,11 +212,8 @@ def moe_layers(trace: Trace) -> list[int]:
 
 
 def model_config(trace: Trace) -> ModelConfig:
-    """The traced model's config, from the trace header's summary (unknown keys ignored)."""
-    d = dict(trace.header.config.get("model") or {})
-    moe = MoEConfig(**{f.name: d["moe"][f.name] for f in fields(MoEConfig) if f.name in (d.get("moe") or {})})
-    known = {f.name for f in fields(ModelConfig)} - {"moe", "hashattn", "mod"}
-    return ModelConfig(**{k: v for k, v in d.items() if k in known}, moe=moe)
+    """The traced model's config (`traced_model`; the defaults where the header records none)."""
+    return traced_model(trace.header) or ModelConfig()
 
 
 def expert_params(m: ModelConfig) -> float:

@@ -10,7 +10,6 @@ from typing import Sequence
 import numpy as np
 
 from dynmo.balance import Problem, balance
-from dynmo.config import Config, ConfigError, apply_dict
 from dynmo.controller import candidates
 from dynmo.engine import SimInputError
 from dynmo.flops import block_halves_macs, head_macs
@@ -22,6 +21,7 @@ from dynmo.sim.replay.options import ReplayOptions, start_layout_name
 from dynmo.sim.replay.result import PolicyResult
 from dynmo.sim.replay.runner import Runner
 from dynmo.sim.trace import Trace, block_map
+from dynmo.sim.trace.format import traced_model
 from dynmo.sim.trace.kinds import block_groups
 
 
@@ -40,24 +40,19 @@ def static_layout(name: str, trace: Trace, stages: int, runner: Runner) -> Layou
 def trace_flops(trace: Trace) -> list[float]:
     """Each traced unit's nominal multiply-adds per token (`dynmo.flops`), from the model config in
     the trace's header; a scaled trace's new blocks take their source blocks' (`block_map`)."""
-    model = trace.header.config.get("model") if isinstance(trace.header.config, dict) else None
-    if not isinstance(model, dict):
+    model = traced_model(trace.header)
+    if model is None:
         raise SimInputError("this trace's header records no model config, so its layers' FLOPs are unknown: "
                             "start from uniform, params or profile-once, or trace the run with this dynmo")
-    cfg = Config()
-    try:
-        apply_dict(cfg, {"model": model})
-    except ConfigError as e:
-        raise SimInputError(f"the trace header's model config: {e}") from None
     groups = block_groups(trace.header.kinds, "the flops layout")
-    per_block = [block_halves_macs(cfg.model, b) for b in range(cfg.model.n_layers)]
-    src = block_map(cfg.model.n_layers, len(groups[0]))
+    per_block = [block_halves_macs(model, b) for b in range(model.n_layers)]
+    src = block_map(model.n_layers, len(groups[0]))
     macs = [0.0] * trace.num_layers
     for part, positions in enumerate(groups):
         for j, pos in enumerate(positions):
             a, f = per_block[src[j]]
             macs[pos] = (a + f) if len(groups) == 1 else (a, f)[part]
-    macs[-1] = head_macs(cfg.model)
+    macs[-1] = head_macs(model)
     return macs
 
 

@@ -5,8 +5,10 @@ Each is a dataclass with `as_dict` / `from_...` and a check that names the first
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterable
+
+from dynmo.config import HashAttnConfig, ModelConfig, MoDConfig, MoEConfig
 
 from dynmo.jsonio import is_int, is_number
 from dynmo.loop import BYTES_PER_PARAM
@@ -270,6 +272,22 @@ def case_name(cfg: dict) -> str:
     if int(cfg.get("skew", {}).get("factor", 1)) > 1:
         parts.append("skew")
     return "+".join(parts) or "dense"
+
+
+def traced_model(header: "TraceHeader") -> ModelConfig | None:
+    """The traced model's config, read back from the header's summary (`config_summary`): the
+    model's fields and its block options the summary kept, keys this dynmo does not know left
+    out; None when the header records no model."""
+    d = header.config.get("model") if isinstance(header.config, dict) else None
+    if not isinstance(d, dict):
+        return None
+    subs = {"moe": MoEConfig, "mod": MoDConfig, "hashattn": HashAttnConfig}
+    known = {f.name for f in fields(ModelConfig)}
+    kw = {k: v for k, v in d.items() if k in known and k not in subs}
+    for k, cls in subs.items():
+        if isinstance(d.get(k), dict):
+            kw[k] = cls(**{f.name: d[k][f.name] for f in fields(cls) if f.name in d[k]})
+    return ModelConfig(**kw)
 
 
 def config_summary(cfg: dict) -> dict:
