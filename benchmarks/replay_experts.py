@@ -1,27 +1,32 @@
 """Expert placement under expert parallelism, replayed: static against dynmo against the oracle.
 
     python benchmarks/replay_experts.py [TRACE.jsonl ...] [--ep 2,4,8] [--blocks 32 --stages 16 --dp 8
-        --microbatches 64] [--extra-slots S --copies C] [--a2a-bandwidth B] [--seed N] [--json]
+        --microbatches 64] [--layouts fixed|dynmo] [--extra-slots S --copies C] [--a2a-bandwidth B]
+        [--seed N] [--json]
 
 Each trace (default: the committed `moe` and `mixtral` traces, docs/bench/traces/) is scaled to
---blocks blocks and replayed by `dynmo.sim.replay.experts.replay_experts` at every EP degree in
---ep (whose module doc says what is modelled): the layer layout held fixed, each MoE layer's
-experts placed by
+--blocks blocks and replayed by `dynmo.sim.replay.expert_policies.replay_experts` at every EP
+degree in --ep (`dynmo.sim.replay.experts` says what is modelled, `expert_policies` each policy):
+with `--layouts fixed` (the default) the layer layout held fixed and each MoE layer's experts
+placed by
 
   static     index order, N / E per rank;
-  dynmo      re-placed by measured load with the layer controller's evidence rules and its
-             defaults (forecast: median of 3 steps; 2 fresh steps confirm; 1 % margin; repaid
-             over 50 steps);
-  dynmo w1   the same rules with a forecast of the last step alone and no fresh-step confirmation
-             (--no-w1 leaves it out);
-  oracle     each step's best placement for its own loads, moves free.
+  dynmo      the trainer's `balance.experts = "auto"` on the replayed steps, with its defaults
+             (a look every 5 steps, evidence over 10, 1 % margin, repaid over 50 steps), scored
+             by the simulated step time of the layout;
+  oracle     each step's best placement for its own loads, moves free (copies with --copies);
+
+with `--layouts dynmo`, one decision for both: static on the best static layer layout in
+hindsight, dynmo deciding the layer layout too (`balance.when = "auto"`, from the FLOP model's
+layout) and the oracle each step's best layout and placements; one more column, dynmo's
+speedup over its start left static (static placement on the FLOP model's layout).
 
 Columns: total seconds of static; each policy's speedup over static (total time, moves
-included); `capture`, the share of the oracle's gain over static that a dynmo policy gets,
-(speedup - 1) / (oracle's speedup - 1), blank where the oracle gains under 0.5 %; migrations;
-the mean over steps and MoE layers of the busiest EP rank's load over the mean rank's, under
-static, dynmo, dynmo w1 and the oracle (1 = perfectly even). `--json` prints every figure and
-the per-step series instead.
+included); `capture`, the share of the oracle's gain over static that dynmo gets,
+(speedup - 1) / (oracle's speedup - 1), blank where the oracle gains under 0.5 %; dynmo's expert
+re-placements and layer migrations; the mean over steps and MoE layers of the busiest EP rank's
+load over the mean rank's, under static, dynmo and the oracle (1 = perfectly even). `--json`
+prints every figure and the per-step series instead.
 
 Bad input (a trace without `moe_tokens_per_expert`, an EP degree that does not divide the
 expert count or dp) ends in one line on stderr and exit code 2. Pure; no torch.
@@ -37,12 +42,12 @@ from pathlib import Path
 
 from dynmo.balance import BalanceError
 from dynmo.engine import SimInputError
-from dynmo.sim.replay.experts import ExpertOptions, replay_experts
+from dynmo.sim.replay.expert_policies import LAYOUTS, replay_experts
+from dynmo.sim.replay.experts import ExpertOptions
 from dynmo.sim.trace import TraceError, load_trace, scale_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TRACES = [ROOT / "docs/bench/traces/moe-static.jsonl", ROOT / "docs/bench/traces/mixtral-static.jsonl"]
-W1 = "dynmo w1"
 
 
 def _eps(text: str) -> list[int]:
@@ -72,13 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--a2a-bandwidth", type=float, default=ExpertOptions.a2a_bandwidth)
     ap.add_argument("--split", choices=("fit", "flops"), default="fit")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-w1", action="store_true", help="leave out the dynmo w1 variant")
+    ap.add_argument("--layouts", choices=LAYOUTS, default="fixed",
+                    help="fixed: the layer layout held; dynmo: decided with the placements")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     traces = args.traces or DEFAULT_TRACES
     opts = ExpertOptions(microbatches=args.microbatches, extra_slots=args.extra_slots, copies=args.copies,
                          a2a_bandwidth=args.a2a_bandwidth, split=args.split, seed=args.seed)
-    variants = {} if args.no_w1 else {W1: {"window": 1, "confirm": 0}}
     rows = []
     try:
         opts.check()
@@ -88,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         for path, trace in loaded:
             for ep in args.ep:
                 t0 = time.perf_counter()
-                out = replay_experts(trace, args.stages, args.dp, ep, opts, variants=variants)
+                out = replay_experts(trace, args.stages, args.dp, ep, opts, layouts=args.layouts)
                 rows.append((path, ep, out))
                 print(f"replay_experts: {path.stem} ep {ep} in {time.perf_counter() - t0:.0f} s", file=sys.stderr,
                       flush=True)
@@ -104,21 +109,20 @@ def main(argv: list[str] | None = None) -> int:
                     "--dp", str(args.dp), "--microbatches", str(args.microbatches),
                     *(["--extra-slots", str(args.extra_slots), "--copies", str(args.copies)] if args.copies or args.extra_slots else []),
                     *([] if args.a2a_bandwidth == ExpertOptions.a2a_bandwidth else ["--a2a-bandwidth", str(args.a2a_bandwidth)]),
-                    *([] if args.seed == 0 else ["--seed", str(args.seed)]), *(["--no-w1"] if args.no_w1 else [])])
+                    *([] if args.layouts == "fixed" else ["--layouts", args.layouts]),
+                    *([] if args.seed == 0 else ["--seed", str(args.seed)])])
     print(cmd + "\n")
-    names = ["dynmo", *variants, "oracle"]
-    print("| trace | E | slots + copies | layout | static s | " + " | ".join(
-        f"{n} speedup" + (f" | {n} capture | {n} migrations" if n != "oracle" else "") for n in names)
-        + " | busiest / mean: " + ", ".join(["static", *names]) + " |")
-    print("|---|---:|---|---|---:|" + "---:|" * (3 * len(names) - 2) + "---|")
+    names = ["dynmo", "oracle"]
+    print("| trace | E | slots + copies | static layout | static s | dynmo speedup | dynmo capture | "
+          "dynmo re-placements | dynmo layer migrations | oracle speedup | dynmo over its start, static "
+          "| busiest / mean: static, dynmo, oracle |")
+    print("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for path, ep, out in rows:
         r = out.results
         sh = out.shape
-        cells = []
-        for n in names:
-            cells.append(_f(r[n].speedup))
-            if n != "oracle":
-                cells += [_f(r[n].capture, ".2f"), str(r[n].migrations)]
+        d = r["dynmo"]
+        cells = [_f(d.speedup), _f(d.capture, ".2f"), str(d.migrations), str(d.layer_migrations), _f(r["oracle"].speedup),
+                 _f(r["start"].total_s / d.total_s) if "start" in r else "n/a"]
         busy = ", ".join(f"{r[n].as_dict()['mean_busiest_over_mean']:.3f}" for n in ["static", *names])
         slots = f"{sh['experts'] // ep} + {sh['extra_slots']}, {sh['copies']}"
         print(f"| {path.stem} | {ep} | {slots} | {out.layout_name} | {r['static'].total_s:.1f} | "

@@ -71,6 +71,15 @@ def block_halves_macs(m: ModelConfig, block: int) -> tuple[float, float]:
     return c * attention_macs(m, k) + 2 * m.d_model, c * mlp_macs(m)
 
 
+def expert_share(m: ModelConfig, sublayer: bool = False) -> float:
+    """The share of a MoE unit's multiply-adds in its experts (top_k expert MLPs per token): of
+    the whole block, or of its MLP half with `sublayer` (the router is the rest). 0 without experts."""
+    if not (m.block == "moe" or m.family == "mixtral"):
+        return 0.0
+    experts = m.moe.top_k * _shapes(m)[3]
+    return experts / (mlp_macs(m) if sublayer else attention_macs(m) + mlp_macs(m))
+
+
 def head_macs(m: ModelConfig) -> float:
     return float(m.d_model * m.vocab_size)
 

@@ -23,6 +23,7 @@ from dynmo import plan
 from dynmo.checks import parse_replacements
 from dynmo.config import Config, to_toml
 from dynmo.controller.experts import ExpertBalancer
+from dynmo.flops import expert_share
 from dynmo.data import TokenData, prepare
 from dynmo.dynamics.case import Case
 from dynmo.dynamics.noise import Noise, recorded_costs
@@ -92,7 +93,8 @@ class Trainer:
             self.expert_balancer = ExpertBalancer(
                 ranks=ctx.ep, groups=ctx.dp // ctx.ep, names=[s.prefix for s in self.pipe.specs],
                 expert_bytes=12.0 * experts.params_per_expert(self.pipe.specs, cfg.model),  # fp32 weights, 2 moments
-                every=b.experts_every, window=b.window, min_gain=b.min_gain, confidence=b.confidence, horizon=b.horizon)
+                every=b.experts_every, window=b.window, min_gain=b.min_gain, confidence=b.confidence, horizon=b.horizon,
+                expert_share={s.prefix: expert_share(cfg.model, cfg.parallel.unit == "sublayer") for s in self.pipe.specs})
         if self.resumed_grow is not None:
             # The grow's own step: resuming onto its layout applied it (and any forced re-layout
             # of that step before it). A grow onto fewer stages than this world re-packs onto it.
@@ -225,7 +227,9 @@ class Trainer:
         decision, weighed = None, None
         if self.ctx.is_logger:
             eb = self.expert_balancer
-            decision = eb.decide(step, dict(self.pipe.ep.orders), self.cfg.train.steps - step)
+            layout = self.pipe.layout
+            decision = eb.decide(step, dict(self.pipe.ep.orders), self.cfg.train.steps - step,
+                                 step_times=lambda steps: self.loop.controller.step_times(steps, layout))
             weighed = {k: v for k, v in eb.last.items() if k in decision}
         obj = [decision, weighed]
         dist.broadcast_object_list(obj, src=0, group=self.ctx.active_group)

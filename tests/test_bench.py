@@ -1,6 +1,7 @@
 """`dynmo bench`: argument errors, and what it says when it has nothing to measure."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -143,6 +144,7 @@ def test_no_real_keeps_the_real_rows_and_compares_with_the_dense_trace_at_paper_
     doc = json.loads((tmp_path / "bench.json").read_text())
     earlier = {"command": ["--out", "x"], "started": "2026-01-01 00:00 UTC"}
     assert doc["real"] == [row | {"run": earlier}]
+    assert doc["experts"] == []  # no routing in its trace: no expert-parallel row
     by = {r["policy"]: r for r in doc["sim"]}
     assert by["uniform"]["dense_trace"] == f"dense-{skewed.steps}.jsonl"
     # the technique's model is heavier than the dense one; balancing wins some of it back
@@ -269,3 +271,37 @@ def test_half_block_units_reach_every_real_run_and_one_out_holds_one_kind(tmp_pa
     assert json.loads((out / "bench.json").read_text())["unit"] == "sublayer"
     assert bench.main(["--out", str(out), "--cases", "moe", "--no-sim"]) == 2
     assert "holds runs with parallel.unit = 'sublayer'" in capsys.readouterr().err
+
+
+def test_moe_cases_are_replayed_with_expert_parallelism_and_the_rows_kept(tmp_path, monkeypatch):
+    """A MoE case's trace also gets the expert-parallel replay (E = dp, layout and placement
+    decided together): its row is the library's replay at the case's shape, kept by an
+    invocation that does not simulate; a case without routing gets none."""
+    import dataclasses
+
+    import dynmo.bench.cli as cli
+    from dynmo.sim import load_trace, scale_trace
+    from dynmo.sim.replay.expert_policies import replay_experts
+    from dynmo.sim.replay.experts import ExpertOptions
+
+    small = [dataclasses.replace(c, stages=2, dp=2, blocks=4) if c.name == "moe" else c for c in bench.CASES]
+    monkeypatch.setattr(cli, "CASES", small)
+    (tmp_path / "traces").mkdir()
+    src = Path(__file__).resolve().parents[1] / "docs" / "bench" / "traces" / "moe-static.jsonl"
+    t = load_trace(src)
+    t.steps = t.steps[:24]
+    t.write(tmp_path / "traces" / "moe-static.jsonl")
+    argv = ["--out", str(tmp_path), "--cases", "moe", "--no-real"]
+    assert bench.main(argv) == 0
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    (row,) = doc["experts"]
+    assert (row["case"], row["ep"], row["experts"]) == ("moe", 2, 8)
+    want = replay_experts(scale_trace(load_trace(tmp_path / "traces" / "moe-static.jsonl"), 4, noise=0.05), 2, 2, 2,
+                          ExpertOptions(microbatches=8), layouts="dynmo").results
+    assert row["static_s"] == pytest.approx(want["static"].total_s) and row["dynmo"] == pytest.approx(want["dynmo"].speedup)
+    assert row["oracle"] == pytest.approx(want["oracle"].speedup) and row["oracle"] >= 1.0
+    text = (tmp_path / "bench.md").read_text()
+    assert "## Expert parallelism at paper scale" in text
+    assert [line for line in text.splitlines() if line.startswith("| moe | 6 layers, 2x2 | 2 (8) |")]
+    assert bench.main(["--out", str(tmp_path), "--cases", "moe", "--no-real", "--no-sim"]) == 0
+    assert json.loads((tmp_path / "bench.json").read_text())["experts"] == [row]

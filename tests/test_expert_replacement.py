@@ -220,11 +220,11 @@ def test_a_run_with_experts_moved_trains_bitwise_as_without_and_resumes_with_its
 
 # ---- balance.experts = "auto": decided from the measured routing --------------------------------
 
-def _records(loads_of_step, steps: int, layer_s: float = 0.05, names=("embed", "block0", "head")):
+def _records(loads_of_step, steps: int, layer_s: float = 0.05, names=("embed", "block0", "head"), others=(0.0, 0.0)):
     """Step records with injected routing (`moe_tokens_per_expert` of block0) and layer times."""
     from dynmo.record import StepRecord
 
-    return [StepRecord(step=k, microbatches=2, layer_cost_s=[0.0, layer_s, 0.0],
+    return [StepRecord(step=k, microbatches=2, layer_cost_s=[others[0], layer_s, others[1]],
                        stats={"moe_tokens_per_expert": [None, list(loads_of_step(k)), None]}) for k in range(steps)]
 
 
@@ -280,6 +280,37 @@ def test_auto_keeps_the_placement_under_balanced_noisy_routing_or_when_the_move_
     for rec in _records(lambda k: [100, 90, 10, 5], 10):
         eb.observe(rec)
     assert eb.decide(10, {"block0": (0, 3, 1, 2)}, 100) == {}
+
+
+def test_scored_by_step_time_a_layer_off_the_critical_path_keeps_its_experts():
+    """One decision with the layer layout: a placement is judged by the simulated step time of
+    the layout in force (the layer controller's own `step_times`, 16 microbatches of 1F1B), so
+    the same lopsided routing moves the experts of a layer on the slowest stage and leaves those
+    of a layer whose stage waits on a slower one."""
+    from dynmo.config import BalanceConfig
+    from dynmo.layout import Layout
+    from dynmo.loop import DynmoLoop
+
+    ctl = DynmoLoop(BalanceConfig(), microbatches=16, schedule="1F1B", layer_params=[1, 1, 1]).controller
+    layout = Layout((0, 2, 3))  # embed and block0 | head
+    lopsided = lambda k: [100, 90 + k % 3, 10, 5]  # noqa: E731
+    # block0 (0.05 s) on stage 0, the head (0.01 s) on stage 1: block0 is the bottleneck
+    eb = _balancer(expert_share={"block0": 0.6})
+    for rec in _records(lopsided, 10, others=(0.0, 0.01)):
+        eb.observe(rec)
+    assert "block0" in eb.decide(10, {}, 100, step_times=lambda steps: ctl.step_times(steps, layout))
+    w = eb.last["block0"]
+    assert w["scored_by"] == "step time" and w["significant"]
+    # 0.6 of the layer follows the busiest rank (100 + 90 -> 100 + 5), and the bottleneck is the step
+    assert 0.6 * (1 - 105 / 191) * 0.8 < w["gain"] < 0.6 * (1 - 105 / 191)
+    # the head's stage is three times slower: block0 only shortens the fill and the drain
+    eb = _balancer(expert_share={"block0": 0.6})
+    for rec in _records(lopsided, 10, others=(0.0, 0.15)):
+        eb.observe(rec)
+    assert eb.decide(10, {}, 100, step_times=lambda steps: ctl.step_times(steps, layout)) == {}
+    assert 0 < eb.last["block0"]["gain"] < 0.01 and not eb.last["block0"]["significant"]
+    # scored by the busiest rank alone, the same routing would move it
+    assert "block0" in eb.decide(10, {}, 100)
 
 
 def test_a_measured_replacement_refits_the_move_and_restarts_the_evidence():

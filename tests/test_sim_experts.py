@@ -9,6 +9,7 @@ import pytest
 from dynmo.balance.experts import static_placement
 from dynmo.engine import SimInputError
 from dynmo.sim.replay import experts as X
+from dynmo.sim.replay.expert_policies import replay_experts
 from dynmo.sim.trace import load_trace
 
 TRACES = Path(__file__).resolve().parents[1] / "docs" / "bench" / "traces"
@@ -23,21 +24,21 @@ def moe():
 
 def test_refuses_a_trace_without_routing():
     with pytest.raises(SimInputError, match="moe_tokens_per_expert"):
-        X.replay_experts(load_trace(TRACES / "dense-80.jsonl"), 2, 2, 2)
+        replay_experts(load_trace(TRACES / "dense-80.jsonl"), 2, 2, 2)
 
 
 @pytest.mark.parametrize("ep, dp, match", [(3, 3, "does not divide the 8 experts"), (4, 2, "does not divide dp"),
                                            (0, 2, "ep must be")])
 def test_refuses_bad_ep(moe, ep, dp, match):
     with pytest.raises(SimInputError, match=match):
-        X.replay_experts(moe, 2, dp, ep)
+        replay_experts(moe, 2, dp, ep)
 
 
 @pytest.mark.parametrize("opts, match", [(dict(copies=2), "extra_slots"), (dict(split="x"), "split"),
                                          (dict(a2a_bandwidth=0), "a2a_bandwidth"), (dict(window=0), "window")])
 def test_refuses_bad_options(moe, opts, match):
     with pytest.raises(SimInputError, match=match):
-        X.replay_experts(moe, 2, 2, 2, X.ExpertOptions(**opts))
+        replay_experts(moe, 2, 2, 2, X.ExpertOptions(**opts))
 
 
 def test_fit_recovers_a_linear_cost():
@@ -86,14 +87,14 @@ def test_replica_loads_deterministic_under_a_seed(moe):
     st = moe.steps[2].stats
     i = a.layers[0]
     assert a.loads[2, 0].sum(axis=1) == pytest.approx([st["moe_useful_rows"][i] / st["moe_forwards"][i]] * 4)
-    r1 = X.replay_experts(moe, 2, 4, 2, X.ExpertOptions(seed=5))
-    r2 = X.replay_experts(moe, 2, 4, 2, X.ExpertOptions(seed=5))
+    r1 = replay_experts(moe, 2, 4, 2, X.ExpertOptions(seed=5))
+    r2 = replay_experts(moe, 2, 4, 2, X.ExpertOptions(seed=5))
     assert r1.as_dict() == r2.as_dict()
 
 
 def test_policies_and_their_bounds(moe):
-    out = X.replay_experts(moe, 2, 4, 2, X.ExpertOptions(microbatches=4), variants={"w1": {"window": 1, "confirm": 0}})
-    s, d, o, w = (out.results[p] for p in ("static", "dynmo", "oracle", "w1"))
+    out = replay_experts(moe, 2, 4, 2, X.ExpertOptions(microbatches=4), variants={"every 1": {"every": 1}})
+    s, d, o, w = (out.results[p] for p in ("static", "dynmo", "oracle", "every 1"))
     assert s.speedup == 1.0 and s.migrations == 0 and s.migration_s == 0
     # the oracle's step is never slower than static's, step by step, and costs nothing to move
     assert all(x <= y + 1e-12 for x, y in zip(o.iteration_s, s.iteration_s)) and o.migration_s == 0
@@ -103,13 +104,46 @@ def test_policies_and_their_bounds(moe):
     assert out.layout[0] == 0 and out.layout[-1] == moe.num_layers
 
 
+def test_one_decision_for_layout_and_placement(moe):
+    """layouts = "dynmo": static runs the best static layout in hindsight, dynmo decides the layer
+    layout (from the FLOP model's) and the placements, the oracle is never slower step by step
+    than either, and dynmo's placements are the trainer's decisions (whole orders of the experts)."""
+    from dynmo.sim.replay import expert_policies as P
+
+    t = copy.deepcopy(moe)
+    out = replay_experts(t, 4, 4, 2, X.ExpertOptions(microbatches=8), layouts="dynmo")
+    s, d, o = (out.results[p] for p in ("static", "dynmo", "oracle"))
+    assert out.shape["layouts"] == "dynmo" and len({tuple(x) for x in s.layouts}) == 1
+    assert all(x <= min(y, z) + 1e-12 for x, y, z in zip(o.iteration_s, s.iteration_s, d.iteration_s))
+    model = X._Model(t, 4, 4, 2, X.ExpertOptions(microbatches=8))
+    static = P._static(model)
+    best, _ = P.best_static_layout(model, 4)
+    assert s.total_s == pytest.approx(P._total(model, static, best))
+    assert d.layouts[0] == list(P.named_layout("flops", t.num_layers, 4, flops=P.trace_flops(t)).boundaries)
+    assert all(sorted(e for r in p.rank_experts() for e in r) == list(range(8)) for step in d.orders for p in step)
+    # held fixed, every policy runs the one layout
+    fixed = replay_experts(t, 4, 4, 2, X.ExpertOptions(microbatches=8))
+    assert all({tuple(x) for x in r.layouts} == {tuple(fixed.layout)} for r in fixed.results.values())
+    with pytest.raises(SimInputError, match="layouts must be one of"):
+        replay_experts(t, 4, 4, 2, layouts="both")
+
+
+def test_the_replay_moves_experts_as_the_trainer_decides():
+    """dynmo's re-placements in the replay are `ExpertBalancer`'s: at most one look every `every`
+    steps, none before 2 x max(5, window) steps of evidence."""
+    out = replay_experts(load_trace(TRACES / "moe-static.jsonl"), 2, 4, 2, X.ExpertOptions(microbatches=4, every=3))
+    d = out.results["dynmo"]
+    moved = [k for k, x in enumerate(d.overhead_s) if x > 0]
+    assert moved and all(k % 3 == 0 and k >= 10 for k in moved) and len(moved) == d.migrations
+
+
 def test_one_expert_per_rank_without_copies_ties():
     t = load_trace(TRACES / "moe-static.jsonl")
     t.steps = t.steps[:6]
-    out = X.replay_experts(t, 2, 8, 8, X.ExpertOptions(microbatches=4))
+    out = replay_experts(t, 2, 8, 8, X.ExpertOptions(microbatches=4))
     tot = [r.total_s for r in out.results.values()]
     assert max(tot) == pytest.approx(min(tot))  # every placement is a renaming: nothing to gain
-    with_copies = X.replay_experts(t, 2, 8, 8, X.ExpertOptions(microbatches=4, extra_slots=1, copies=8))
+    with_copies = replay_experts(t, 2, 8, 8, X.ExpertOptions(microbatches=4, extra_slots=1, copies=8))
     assert with_copies.results["oracle"].total_s < with_copies.results["static"].total_s
 
 
@@ -143,7 +177,7 @@ def test_the_benchmark_prints_a_row_per_trace_and_degree(moe, tmp_path, capsys):
     assert bench.main(args + ["--json"]) == 0
     import json
     doc = json.loads(capsys.readouterr().out)
-    assert [d["ep"] for d in doc] == [2, 4] and set(doc[0]["policies"]) == {"static", "dynmo", "dynmo w1", "oracle"}
+    assert [d["ep"] for d in doc] == [2, 4] and set(doc[0]["policies"]) == {"static", "dynmo", "oracle"}
 
 
 @pytest.mark.parametrize("args, match", [

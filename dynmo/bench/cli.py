@@ -62,7 +62,7 @@ from pathlib import Path
 from dynmo.bench.cases import CASES, PAIRS, ROOT
 from dynmo.bench.render import render
 from dynmo.bench.run import dense_name, dense_run, real_row
-from dynmo.bench.sim import sim_rows, units_rows
+from dynmo.bench.sim import expert_rows, sim_rows, units_rows
 from dynmo.sim.replay import PROFILE_STEPS
 
 
@@ -118,11 +118,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dynmo bench: unknown case(s) {bad}; known: {', '.join(known)}", file=sys.stderr)
         return 2
     started, t0 = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), time.perf_counter()
-    real, sim, missing, dense = [], [], [], {}
+    real, sim, experts, missing, dense = [], [], [], [], {}
     run = {"command": argv, "started": started}  # stamped on every row this invocation measures
     # rows this invocation does not measure again (other cases, or all real rows with --no-real)
     # are kept from OUT/bench.json, each with the invocation that measured it
-    kept_real, kept_sim = [], []
+    kept_real, kept_sim, kept_experts = [], [], []
     units = None  # whole against half blocks: kept until this invocation replays them; None: never replayed
     if (out / "bench.json").is_file():
         try:
@@ -136,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                          if args.no_real or args.dense_only or r["case"] not in wanted]
             kept_sim = [r | {"run": r.get("run") or old_run} for r in old.get("sim", [])
                         if args.no_sim or r["case"] not in wanted]
+            kept_experts = [r | {"run": r.get("run") or old_run} for r in old.get("experts") or []
+                            if args.no_sim or r["case"] not in wanted]
             if old.get("units") is not None:
                 units = [r | {"run": r.get("run") or old_run} for r in old["units"]]
         except (OSError, ValueError, AttributeError, TypeError, KeyError) as e:
@@ -147,11 +149,14 @@ def main(argv: list[str] | None = None) -> int:
     def write() -> str:
         all_real = _latest_dense(sorted(kept_real + real, key=lambda r: order.get(r["case"], len(order))), dense)
         all_sim = sorted(kept_sim + sim, key=lambda r: order.get(r["case"], len(order)))
+        all_experts = sorted(kept_experts + experts, key=lambda r: order.get(r["case"], len(order)))
         (out / "bench.json").write_text(json.dumps({"command": argv, "started": started, "unit": args.unit,
                                                     "duration_s": round(time.perf_counter() - t0),
                                                     "real": all_real, "sim": all_sim, "units": units,
+                                                    "experts": all_experts,
                                                     "missing": missing}, indent=1) + "\n")
-        text = render(all_real, all_sim, missing, argv, started, time.perf_counter() - t0, units=units)
+        text = render(all_real, all_sim, missing, argv, started, time.perf_counter() - t0, units=units,
+                      experts=all_experts)
         (out / "bench.md").write_text(text)
         return text
 
@@ -182,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                 missing.append(f"{name}: no static trace to simulate from (run without --no-real first)")
                 continue
             sim += [r | {"run": run} for r in sim_rows(case, out)]
+            experts += [r | {"run": run} for r in expert_rows(case, out)]
         write()
     if not args.no_sim:
         print("dynmo bench: whole blocks against half blocks (replay)", file=sys.stderr, flush=True)

@@ -17,6 +17,31 @@ def _f(x, spec: str = ".3f") -> str:
 UNITS_LABEL = "whole blocks against half blocks (simulated)"
 
 
+def experts_section(rows: list[dict]) -> list[str]:
+    """The MoE cases replayed with expert parallelism, layout and placement decided together."""
+    lines = [
+        "## Expert parallelism at paper scale (the MoE traces above, scaled; `dynmo.sim.replay.expert_policies`)\n",
+        "Each stage's experts spread over its E data-parallel replicas (tokens to their expert's rank and back by "
+        "all-to-all, no padding); one decision for the layer layout and the placements. static: experts in index "
+        "order on the best static layer layout in hindsight; dynmo: the trainer's decisions on the replayed steps "
+        "(`balance.experts = \"auto\"` scored by the simulated step time, the layer controller from the FLOP "
+        "model's layout); oracle: each step's best placements and layout, free to change. Speedups are total time "
+        "over static's; capture = (dynmo - 1) / (oracle - 1); dynmo over its start: over its first layout left "
+        "static (static placement); busiest / mean: the busiest EP rank's tokens over "
+        "the mean rank's, mean over steps and MoE layers.\n",
+        "| case | shape | E (experts) | best static layout | static s | dynmo | capture | oracle "
+        "| dynmo over its start | re-placements, layer migrations | busiest / mean: static, dynmo, oracle |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for r in rows:
+        busy = ", ".join(_f(r["busiest_over_mean"].get(p)) for p in ("static", "dynmo", "oracle"))
+        lines.append(f"| {r['case']} | {r['shape']} | {r['ep']} ({r['experts']}) | {r['best_static']} | "
+                     f"{_f(r['static_s'], ',.1f')} | {_f(r['dynmo'])} | {_f(r['capture'], '.2f')} | {_f(r['oracle'])} | "
+                     f"{_f(r.get('dynmo_vs_start'))} | "
+                     f"{r['replacements']}, {r['layer_migrations']} | {busy} |")
+    return lines + [""]
+
+
 def units_section(rows: list[dict]) -> list[str]:
     """The section of whole blocks against half blocks: per sublayer trace, a block row (the
     reference) and a sublayer row (`replay_units`' rows)."""
@@ -59,9 +84,10 @@ def units_section(rows: list[dict]) -> list[str]:
 
 
 def render(real: list[dict], sim: list[dict], missing: list[str], argv: list[str], started: str = "",
-           duration_s: float | None = None, units: list[dict] | None = None) -> str:
+           duration_s: float | None = None, units: list[dict] | None = None, experts: list[dict] | None = None) -> str:
     """bench.md. `units`: the rows of whole blocks against half blocks (`dynmo.bench.sim.units_rows`);
-    None leaves their section out (never replayed), [] leaves a one-line note (no trace replayed)."""
+    None leaves their section out (never replayed), [] leaves a one-line note (no trace replayed).
+    `experts`: the MoE cases' expert-parallel rows (`dynmo.bench.sim.expert_rows`)."""
     lines = ["# dynmo bench\n", f"Command: `dynmo bench {' '.join(argv)}`"
              + (f" (started {started}" + (f", {duration_s / 60:.0f} min" if duration_s else "") + ")" if started else "")
              + "\n"]
@@ -208,6 +234,8 @@ def render(real: list[dict], sim: list[dict], missing: list[str], argv: list[str
                              f"{_f(w.get('vs_dense'))} | "
                              f"{f'{paper[0]:.2f}' if paper else 'n/a'} | {paper[1] if paper else 'n/a'} |")
             lines.append("")
+    if experts:
+        lines += experts_section(experts)
     if units is not None:
         lines += units_section(units)
     if missing:

@@ -16,6 +16,8 @@ from dynmo.bench.run import _dense_prefix, dense_name
 from dynmo.sim import SimInputError, TraceError, load_trace, scale_trace
 from dynmo.sim.plots import write_plots
 from dynmo.sim.replay import ReplayOptions, capture, load_sublayer_trace, replay, replay_balance, replay_units
+from dynmo.sim.replay.expert_policies import replay_experts
+from dynmo.sim.replay.experts import ExpertOptions, moe_layers
 
 
 def sim_rows(case: BenchCase, out: Path) -> list[dict]:
@@ -53,6 +55,28 @@ def sim_rows(case: BenchCase, out: Path) -> list[dict]:
             row["dense_trace"] = found.name
         rows.append(row)
     return rows
+
+
+def expert_rows(case: BenchCase, out: Path) -> list[dict]:
+    """A MoE case's trace, scaled as `sim_rows` scales it, replayed with expert parallelism over
+    each stage's dp replicas (E = dp: one expert a rank with 8 experts and dp 8) and one decision
+    for the layer layout and the placements (`replay_experts(layouts="dynmo")`): static
+    placement on the best static layout, dynmo's placements and layouts, the oracle. [] for a
+    case whose trace records no routing."""
+    trace = scale_trace(load_trace(out / "traces" / f"{case.name}-static.jsonl"), case.blocks, noise=0.05)
+    try:
+        moe_layers(trace)
+    except SimInputError:
+        return []
+    ep = case.dp
+    got = replay_experts(trace, case.stages, case.dp, ep, ExpertOptions(microbatches=4 * case.stages), layouts="dynmo")
+    r = got.results
+    return [{"case": case.name, "shape": f"{case.blocks + 2} layers, {case.stages}x{case.dp}", "ep": ep,
+             "experts": got.shape["experts"], "best_static": got.layout_name, "static_s": r["static"].total_s,
+             "dynmo": r["dynmo"].speedup, "capture": r["dynmo"].capture, "oracle": r["oracle"].speedup,
+             "dynmo_vs_start": r["start"].total_s / r["dynmo"].total_s,
+             "replacements": r["dynmo"].migrations, "layer_migrations": r["dynmo"].layer_migrations,
+             "busiest_over_mean": {p: r[p].as_dict()["mean_busiest_over_mean"] for p in ("static", "dynmo", "oracle")}}]
 
 
 def _dense_trace(out: Path, case: BenchCase) -> Path | None:

@@ -70,6 +70,11 @@ class Scoring:
         problems = [self.problem(costs, lay.num_stages, lay) for costs, lay in zip(steps, layouts)]
         return self.model.steps_s(problems, layouts, self.microbatches, shares).tolist()
 
+    def step_times(self, steps: list[list[float]], layout: Layout) -> list[float]:
+        """Predicted step time of `layout` under each of `steps`' per-layer costs (what the expert
+        balancer scores placements with: the layer layout's own objective)."""
+        return self._steps_under(steps, [layout] * len(steps))
+
     def _step_under(self, costs: list[float], layout: Layout) -> float:
         """Predicted step time of `layout` under one step's per-layer costs."""
         return self._steps_under([costs], [layout])[0]

@@ -1,6 +1,7 @@
 """Expert parallelism in the replay: where each MoE layer's experts sit on the E ranks of an EP group. Pure.
 
-    from dynmo.sim.replay.experts import ExpertOptions, replay_experts
+    from dynmo.sim.replay.experts import ExpertOptions
+    from dynmo.sim.replay.expert_policies import replay_experts
     out = replay_experts(scale_trace(load_trace("docs/bench/traces/moe-static.jsonl"), 32),
                          stages=16, dp=8, ep=8, options=ExpertOptions(microbatches=64, extra_slots=1, copies=8))
     out.results["dynmo"].total_s, out.results["dynmo"].speedup, out.capture, out.split
@@ -46,50 +47,19 @@ rank's max(sent, received) x d_model x bytes per element (2 with `train.dtype = 
 Forward: dispatch and combine, two; backward: their two gradients. The traced costs are the
 CPU runs' (d_model 128): at those the all-to-all is small beside the compute.
 
-The layer layout is held fixed, so the comparison isolates placement: the faster (total time,
-static placement) of uniform and the optimal contiguous layout for the median per-layer costs
-under static placement.
-
-Policies (one placement per MoE layer, the same in every group):
-
-  static   experts in index order, N / E per rank, never moved;
-  dynmo    re-places by measured load, with the layer controller's evidence rules: the forecast
-           is the per-expert median of the last `window` steps' loads (summed over the replicas,
-           over the groups); before every step each MoE layer's forecast optimum
-           (`dynmo.balance.experts.place_experts`, ranks renamed so that the fewest experts
-           move; exact where the branch and bound ends within PLACE_NODES nodes, else the
-           greedy's answer) is the candidate. It is proposed when, on each observed step (up to
-           EVIDENCE_STEPS), the simulated step time with the candidates against the current
-           placements gives relative savings that `dynmo.controller.evidence.supported`
-           accepts (significant against their own step-to-step variation, margin `min_gain`),
-           and moved to once `confirm` fresh steps, which played no part in choosing it, gain
-           `min_gain` on average and the evidence still holds, and when the saving per step on
-           the last `window` steps, over `horizon` steps, repays the move: `mig_fixed` + the largest bytes any rank of any
-           stage receives (16 B a parameter of each expert copy it gains: weights, gradients,
-           AdamW's two moments) / `mig_bandwidth` (the layer controller's priors), which is
-           charged before the step;
-  oracle   per step, each MoE layer's best placement for that step's own loads (summed over
-           the replicas), moves free: the bound in hindsight. With dp / E > 1 groups it
-           minimises the busiest rank of the summed loads, not of the slowest group; its
-           placements are the solver's within PLACE_NODES nodes, so proven optimal only where
-           the branch and bound ended (else the greedy's answer: near-best, not a bound).
-
-With `extra_slots` and `copies` the dynmo and oracle placements may copy hot experts (the copies
-split an expert's tokens evenly); static never does. With N = E (one expert per rank) and no
-copies every placement is the same up to renaming, and the three policies tie by construction.
+The policies (static, dynmo, oracle; the layer layout held fixed or decided with the
+placements) are `dynmo.sim.replay.expert_policies`'s; this module is the model they run on.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from statistics import fmean
 
 import numpy as np
 
-from dynmo.balance import Problem, balance
-from dynmo.balance.experts import Placement, align, move_cost, place_experts, static_placement
+from dynmo.balance.experts import Placement, align, move_cost, place_experts
 from dynmo.config import ModelConfig
-from dynmo.controller.evidence import CONFIDENCE, EVIDENCE_STEPS, gains, supported
+from dynmo.controller.evidence import CONFIDENCE
 from dynmo.controller.migration import MIGRATION_BANDWIDTH, MIGRATION_FIXED_S
 from dynmo.engine import SimInputError, StageTimes, simulate_plan, build_plan
 from dynmo.flops import attention_macs, mlp_macs
@@ -114,20 +84,22 @@ class ExpertOptions:
     split: str = "fit"  # how a MoE layer's traced cost splits into its non-expert and expert parts
     a2a_bandwidth: float = A2A_BANDWIDTH
     a2a_latency: float = 0.0
-    window: int = 3  # forecast: median of the last `window` steps' loads
+    # dynmo's decision (`dynmo.controller.experts.ExpertBalancer`), as `[balance]` sets it in a run
+    every: int = 5  # balance.experts_every: steps between looks
+    window: int = 3  # balance.window: the evidence spans 2 x max(5, window) steps
     min_gain: float = 0.01  # the margin a saving must clear (relative step time)
     horizon: int = 50  # steps over which a move's saving must repay its cost
-    confirm: int = 2  # fresh steps that confirm a proposal
     confidence: float = CONFIDENCE
     mig_fixed: float = MIGRATION_FIXED_S
     mig_bandwidth: float = MIGRATION_BANDWIDTH
     seed: int = 0
 
     def check(self) -> None:
-        for name in ("extra_slots", "copies", "window", "horizon", "confirm", "seed"):
+        for name in ("extra_slots", "copies", "every", "window", "horizon", "seed"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name in ("window", "horizon") else 0):
-                raise SimInputError(f"{name} must be an integer >= {1 if name in ('window', 'horizon') else 0}, got {v!r}")
+            least = 1 if name in ("every", "window", "horizon") else 0
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise SimInputError(f"{name} must be an integer >= {least}, got {v!r}")
         if self.microbatches is not None and (isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int)
                                               or self.microbatches < 1):
             raise SimInputError(f"microbatches must be an integer >= 1, got {self.microbatches!r}")
@@ -149,9 +121,12 @@ class ExpertOptions:
 class ExpertPolicyResult:
     policy: str
     iteration_s: list[float] = field(default_factory=list)  # simulated step (slowest group)
+    layouts: list[list[int]] = field(default_factory=list)  # per step: the layer layout it ran
+    orders: list[tuple] = field(default_factory=list)  # per step: each MoE layer's placement (a tuple of them)
     overhead_s: list[float] = field(default_factory=list)  # migration charged before the step
     busiest_ratio: list[float] = field(default_factory=list)  # per step: mean over MoE layers of busiest rank / mean rank
-    migrations: int = 0
+    migrations: int = 0  # expert re-placements
+    layer_migrations: int = 0  # layer layout changes (with the layout decided too)
     moved_copies: int = 0
     moved_bytes: float = 0.0
     speedup: float | None = None  # static's total time over this one's
@@ -168,14 +143,15 @@ class ExpertPolicyResult:
     def as_dict(self) -> dict:
         return {"policy": self.policy, "total_s": self.total_s, "speedup": self.speedup, "capture": self.capture,
                 "migrations": self.migrations, "moved_copies": self.moved_copies, "moved_bytes": self.moved_bytes,
-                "migration_s": self.migration_s, "mean_busiest_over_mean": float(np.mean(self.busiest_ratio)),
+                "migration_s": self.migration_s, "layer_migrations": self.layer_migrations,
+                "mean_busiest_over_mean": float(np.mean(self.busiest_ratio)),
                 "iteration_s": self.iteration_s, "overhead_s": self.overhead_s}
 
 
 @dataclass
 class ExpertReplay:
     results: dict[str, ExpertPolicyResult]
-    layout: list[int]  # the layer layout every policy ran
+    layout: list[int]  # the layer layout static ran (every policy's, with the layout held fixed)
     layout_name: str
     split: dict  # the fit, the FLOP shares, which was used
     shape: dict
@@ -337,6 +313,17 @@ class _Model:
             bw[i] = bw[i] * (1 - sh) + bw[i] * sh * scale + 2 * a2a
         return f, bw, float(np.mean(ratios))
 
+    def mean_layer_times(self, k: int, placements: list[Placement]) -> tuple[np.ndarray, np.ndarray]:
+        """Per-layer forward and backward seconds per microbatch of step k, the mean over the
+        groups: what the layer controller is fed as the step's measured costs."""
+        f = np.zeros(len(self.fwd[k]))
+        bw = np.zeros(len(self.bwd[k]))
+        for g in range(self.groups):
+            gf, gb, _ = self.layer_times(k, placements, g)
+            f += gf / self.groups
+            bw += gb / self.groups
+        return f, bw
+
     def a2a_s(self, reps: np.ndarray, p: Placement) -> float:
         """One all-to-all of a microbatch in a group: the largest rank's max(sent, received) rows."""
         if self.ep == 1:
@@ -392,152 +379,3 @@ class _Model:
             return 0.0, 0, 0.0
         worst = max(float(v.max()) for v in per_stage.values())
         return self.opts.mig_fixed + worst / self.opts.mig_bandwidth, count, total * self.groups
-
-
-def _layout(model: _Model, trace: Trace, stages: int) -> tuple[Layout, str]:
-    """The faster under static placement of uniform and the optimal layout of the median per-layer costs."""
-    static = [static_placement(model.n, model.ep)] * len(model.layers)
-    costs = []
-    for k in range(len(trace.steps)):
-        f, bw, _ = model.layer_times(k, static, 0)
-        costs.append(f + bw)
-    med = np.median(np.asarray(costs), axis=0)
-    cands = {"uniform": balance(Problem(costs=med.tolist(), stages=stages), "uniform").layout,
-             "optimal for the median costs": balance(Problem(costs=med.tolist(), stages=stages), "optimal").layout}
-    totals = {name: sum(model.step_s(k, static, lay)[0] for k in range(len(trace.steps))) for name, lay in cands.items()}
-    name = min(totals, key=lambda x: totals[x])
-    return cands[name], name
-
-
-def _run_static(model: _Model, layout: Layout, res: ExpertPolicyResult) -> None:
-    static = [static_placement(model.n, model.ep)] * len(model.layers)
-    for k in range(len(model.trace.steps)):
-        t, ratio = model.step_s(k, static, layout)
-        res.iteration_s.append(t)
-        res.overhead_s.append(0.0)
-        res.busiest_ratio.append(ratio)
-
-
-def _run_oracle(model: _Model, layout: Layout, res: ExpertPolicyResult) -> None:
-    static = [static_placement(model.n, model.ep)] * len(model.layers)
-    for k in range(len(model.trace.steps)):
-        pl = [model.place(model.agg[k, j], static[j]) for j in range(len(model.layers))]
-        t, ratio = min(model.step_s(k, pl, layout), model.step_s(k, static, layout))  # never worse than not moving
-        res.iteration_s.append(t)
-        res.overhead_s.append(0.0)
-        res.busiest_ratio.append(ratio)
-
-
-def _run_dynmo(model: _Model, layout: Layout, res: ExpertPolicyResult) -> None:
-    o = model.opts
-    nl = len(model.layers)
-    current = [static_placement(model.n, model.ep)] * nl
-    cur_times: dict[int, float] = {}  # step -> simulated time under the current placements
-    proposal: tuple[list[Placement], int] | None = None  # (placements, steps observed when proposed)
-    steps = len(model.trace.steps)
-
-    def times_of(pl: list[Placement], ks: list[int], memo: dict | None = None) -> list[float]:
-        out = []
-        for k in ks:
-            if memo is not None and k in memo:
-                out.append(memo[k])
-                continue
-            t = model.step_s(k, pl, layout)[0]
-            if memo is not None:
-                memo[k] = t
-            out.append(t)
-        return out
-
-    for k in range(steps):
-        overhead = 0.0
-        observed = list(range(max(0, k - EVIDENCE_STEPS), k))
-        if len(observed) >= o.window:
-            forecast = np.median(model.agg[k - o.window:k], axis=0)  # [layer, expert]
-            cand = [model.place(forecast[j], current[j]) for j in range(nl)]
-            cand = [c if c.busiest(forecast[j]) < current[j].busiest(forecast[j]) - 1e-9 else current[j]
-                    for j, c in enumerate(cand)]
-            old_t = times_of(current, observed, cur_times)
-            move_to = None
-            if proposal is not None:
-                prop, since = proposal
-                fresh = k - since
-                if fresh >= min(o.confirm, o.window):
-                    g = gains(old_t, times_of(prop, observed))
-                    if fmean(g[-fresh:]) > o.min_gain and supported(g, o.window, o.min_gain, o.confidence):
-                        move_to = prop
-                    proposal = None
-            if move_to is None and proposal is None and any(c is not cur for c, cur in zip(cand, current)):
-                g = gains(old_t, times_of(cand, observed))
-                if supported(g, o.window, o.min_gain, o.confidence):
-                    if o.confirm == 0:
-                        move_to = cand
-                    else:
-                        proposal = (cand, k)
-            if move_to is not None:
-                sec, count, nbytes = model.move(current, move_to, layout)
-                # the saving per step predicted on the forecast's own steps (the window), in seconds
-                w = slice(-o.window, None)
-                saving = fmean(gains(old_t[w], times_of(move_to, observed[w]))) * fmean(old_t[w])
-                if count and saving * o.horizon > sec:
-                    current, cur_times = move_to, {}
-                    overhead = sec
-                    res.migrations += 1
-                    res.moved_copies += count
-                    res.moved_bytes += nbytes
-        t, ratio = model.step_s(k, current, layout)
-        cur_times[k] = t
-        res.iteration_s.append(t)
-        res.overhead_s.append(overhead)
-        res.busiest_ratio.append(ratio)
-
-
-def replay_experts(trace: Trace, stages: int, dp: int, ep: int, options: ExpertOptions | None = None,
-                   policies: tuple[str, ...] = POLICIES, variants: dict[str, dict] | None = None) -> ExpertReplay:
-    """Replay the placement policies on `trace` at `stages` x `dp` with EP degree `ep` (module doc).
-
-    `variants` adds more runs of the dynmo policy under other names, each with some of its decision options
-    changed (`window`, `confirm`, `min_gain`, `horizon`, `confidence`), e.g. {"dynmo w1": {"window": 1,
-    "confirm": 0}}; their `capture` is against the same oracle. SimInputError for a trace without MoE routing
-    stats, an `ep` that does not divide the experts or dp, a bad option."""
-    opts = options or ExpertOptions()
-    opts.check()
-    variant_opts = {}
-    for name, over in (variants or {}).items():
-        bad = set(over) - {"window", "confirm", "min_gain", "horizon", "confidence"}
-        if bad or name in POLICIES:
-            raise SimInputError(f"variant {name!r}: only window, confirm, min_gain, horizon, confidence may change, "
-                                f"and its name must not be a policy's; got {sorted(over)}")
-        vo = ExpertOptions(**{**{f.name: getattr(opts, f.name) for f in fields(ExpertOptions)}, **over})
-        vo.check()
-        variant_opts[name] = vo
-    for p in policies:
-        if p not in POLICIES:
-            raise SimInputError(f"unknown placement policy {p!r}; choose from {', '.join(POLICIES)}")
-    model = _Model(trace, stages, dp, ep, opts)
-    layout, layout_name = _layout(model, trace, stages)
-    runs = {"static": _run_static, "dynmo": _run_dynmo, "oracle": _run_oracle}
-    results: dict[str, ExpertPolicyResult] = {}
-    for name in ("static", *[p for p in policies if p != "static"]):
-        results[name] = ExpertPolicyResult(name)
-        runs[name](model, layout, results[name])
-    for name, vo in variant_opts.items():
-        model.opts = vo
-        results[name] = ExpertPolicyResult(name)
-        _run_dynmo(model, layout, results[name])
-    model.opts = opts
-    ref = results["static"].total_s
-    for r in results.values():
-        r.speedup = ref / r.total_s if r.total_s > 0 else None
-    if "oracle" in results:
-        orc = results["oracle"].speedup
-        for name in ("dynmo", *variant_opts):
-            dyn = results[name].speedup if name in results else None
-            if orc is not None and dyn is not None and orc - 1 >= CAPTURE_MIN_GAIN:
-                results[name].capture = (dyn - 1) / (orc - 1)
-    if "static" not in policies:
-        del results["static"]
-    shape = {"stages": stages, "dp": dp, "ep": ep, "groups": model.groups, "microbatches": model.m,
-             "experts": model.n, "moe_layers": len(model.layers), "steps": len(trace.steps),
-             "extra_slots": opts.extra_slots, "copies": opts.copies, "schedule": model.schedule,
-             "a2a_bandwidth": opts.a2a_bandwidth, "expert_bytes": model.expert_bytes, "seed": opts.seed}
-    return ExpertReplay(results, list(layout.boundaries), layout_name, model.split, shape)
