@@ -1,8 +1,9 @@
 """Workers that come back after a re-pack: a grow is a checkpoint and a restart on the whole world.
 
 The plan's parsing of grow entries and the launcher's decision to launch again are pure and
-tested here without torchrun; one end-to-end run re-packs 3 ranks onto 2 and grows back to 3
-through the real launcher, with the losses of the single-process reference, bitwise.
+tested here without torchrun; one end-to-end run, on injected costs, has the controller re-pack 3
+ranks onto 1 and decide to grow back to 3 through the real launcher, with the losses of the
+single-process reference, bitwise.
 """
 
 import json
@@ -117,32 +118,47 @@ def test_anything_else_is_not_launched_again(status, meta, resumed, why):
 # ---- end to end -------------------------------------------------------------------------------
 
 
+# What the controller sees (dynmo.runtime.faults.DYNMO_COSTS, milliseconds per microbatch): a
+# model whose three middle blocks cost 2 s, then from step 6 only the first of them (the model
+# shrank: one stage does the work within the re-pack's tolerance of three), then from step 30 all
+# three again (three stages halve the step: the released workers pay for their restart).
+GROW_STEPS = 44
+SHRINK_THEN_GROW = "0:10,2000,2000,2000,10,10;6:10,2000,10,10,10,10;30:10,2000,2000,2000,10,10"
+
+
 @pytest.mark.dist
-def test_repack_then_grow_back_gives_the_losses_of_an_uninterrupted_run(tmp_path):
-    """3 ranks re-packed onto 2 at step 5 and grown back to 3 at step 10 (a checkpoint, then the
-    launcher restarts the job on 3 ranks): every step once, bitwise the losses and the final
-    weights of the single-process reference, which every uninterrupted pipeline run equals."""
-    p = run_train(tmp_path, "--steps", str(STEPS), "--parallel.relayout", SHRINK_GROW, "--checkpoint.final", "true",
-                  nproc=3)
-    ref_losses, ref_weights = reference_run(tiny_config("--train.steps", str(STEPS)), STEPS)
+def test_the_controller_repacks_then_takes_the_workers_back_with_the_losses_of_an_uninterrupted_run(tmp_path):
+    """3 ranks under `balance.when = auto` with re-packing, on injected costs (no timing): the
+    controller re-packs onto one rank once the model shrank, and when it grows again decides the
+    grow (a checkpoint, then the launcher restarts the job on its 3 ranks): every step once,
+    bitwise the losses and the final weights of the single-process reference, which every
+    uninterrupted pipeline run equals. (Forced grows, `parallel.relayout`, take the same path
+    from the decision on; their parsing is tested above.)"""
+    p = run_train(tmp_path, "--steps", str(GROW_STEPS), "--balance.when", "auto", "--balance.repack", "true",
+                  "--checkpoint.final", "true", nproc=3, env={"DYNMO_COSTS": SHRINK_THEN_GROW})
+    ref_losses, ref_weights = reference_run(tiny_config("--train.steps", str(GROW_STEPS)), GROW_STEPS)
     recs = metrics(tmp_path)
-    assert [r["step"] for r in recs] == list(range(STEPS))
+    assert [r["step"] for r in recs] == list(range(GROW_STEPS))
     assert [r["loss"] for r in recs] == ref_losses
-    assert [r["workers"] for r in recs] == [3] * 5 + [2] * 5 + [3] * 2
-    assert [r["layout"] for r in recs] == [[0, 2, 4, 6]] * 5 + [[0, 3, 6]] * 5 + [[0, 2, 4, 6]] * 2
+    events = [(r["step"], e) for r in recs for e in r["events"] if e["type"] in ("migration", "grow")]
+    repacked = [k for k, e in events if e.get("repacked")]
+    grown = [(k, e) for k, e in events if e["type"] == "grow"]
+    assert len(repacked) == 1 and 6 < repacked[0] < 30, events
+    assert len(grown) == 1, events
+    g, ev = grown[0]
+    assert 30 < g < GROW_STEPS - 5  # after the change, with steps left to repay the restart
+    assert [r["workers"] for r in recs] == [3] * repacked[0] + [1] * (g - repacked[0]) + [3] * (GROW_STEPS - g)
+    assert ev["reason"] == "balance.when=auto" and ev["decision"] == "grow" and ev["stages"] == [1, 3]
+    assert ev["old"] == [0, 6] and ev["decided_step"] == g and ev["predicted_step_s"] < ev["current_step_s"]
+    assert 0 < ev["checkpoint_s"] + ev["setup_s"] < ev["restart_s"]  # measured, for the next restart's price
     got = final_weights(tmp_path / "checkpoint-final", tmp_path)  # saved by the 3 ranks of the restarted job
     for k in ref_weights:
         assert torch.equal(got[k], ref_weights[k]), k
     text = p.stdout + p.stderr
     assert "rank 2 released" in text
-    assert "dynmo: growing back to 3 pipeline ranks at step 10: checkpoint, restart" in text
-    assert f"dynmo: restarting the job on its 3 ranks from {tmp_path / 'checkpoint-10'}" in text
-    # the restart's cost, from the decision to the first step on 3 ranks, for the controller to charge
-    (ev,) = recs[10]["events"]
-    assert ev["type"] == "grow" and ev["reason"] == "forced" and ev["stages"] == [2, 3]
-    assert ev["old"] == [0, 3, 6] and ev["new"] == [0, 2, 4, 6] and ev["decided_step"] == 10
-    assert 0 < ev["checkpoint_s"] + ev["setup_s"] < ev["restart_s"]
-    meta = json.loads((tmp_path / "checkpoint-10" / "dynmo.json").read_text())
-    assert meta["layout"] == [0, 3, 6] and meta["grow"]["layout"] == [0, 2, 4, 6]
+    assert f"dynmo: growing back to 3 pipeline ranks at step {g}: checkpoint, restart" in text
+    assert f"dynmo: restarting the job on its 3 ranks from {tmp_path / f'checkpoint-{g}'}" in text
+    meta = json.loads((tmp_path / f"checkpoint-{g}" / "dynmo.json").read_text())
+    assert meta["layout"] == [0, 6] and meta["grow"]["layout"] == ev["new"]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["start_step"] == 10 and summary["workers"] == 3
+    assert summary["start_step"] == g and summary["workers"] == 3
