@@ -128,6 +128,18 @@ def test_one_decision_for_layout_and_placement(moe):
         replay_experts(t, 4, 4, 2, layouts="both")
 
 
+def test_a_migrating_moe_layer_ships_only_each_ranks_experts(moe):
+    """Under expert parallelism a rank holds N / E experts of a MoE layer: a layer migration
+    ships the rest of the layer and those, from every rank at once."""
+    for ep in (1, 2, 4):
+        m = X._Model(moe, 2, 4, ep, X.ExpertOptions())
+        got, whole = m.layer_bytes(), moe.header.layer_bytes
+        for i, b in enumerate(whole):
+            want = b - 8 * (1 - 1 / ep) * m.expert_bytes if i in m.layers else b
+            assert got[i] == pytest.approx(want)
+        assert all(g > 0 for g in got)
+
+
 def test_the_replay_moves_experts_as_the_trainer_decides():
     """dynmo's re-placements in the replay are `ExpertBalancer`'s: at most one look every `every`
     steps, none before 2 x max(5, window) steps of evidence."""

@@ -25,8 +25,9 @@ Policies (one placement per MoE layer, the same in every EP group):
            and repays the move; with layouts = "dynmo", the layer layout by `dynmo.loop.DynmoLoop`
            (`balance.when = "auto"`), starting on the default start (the FLOP model's layout),
            before the placement decision of each step. A layer layout change is charged as the
-           layer replay charges it (`mig_fixed` + the moved layers' bytes / `mig_bandwidth`), an
-           expert move by `_Model.move`;
+           layer replay charges it, `mig_fixed` + the moved layers' bytes / `mig_bandwidth`, each
+           rank shipping its own experts' share (`_Model.layer_bytes`); an expert move by
+           `_Model.move`;
   start    with layouts = "dynmo": static placement on the layout dynmo starts from (the FLOP
            model's), never changed: what dynmo must never lose to;
   oracle   per step, each MoE layer's best placement for that step's own loads (summed over the
@@ -172,8 +173,9 @@ def run_dynmo(model: _Model, layout: Layout, decide_layout: bool, res: ExpertPol
         flops = None
     balance_cfg = BalanceConfig(when="auto" if decide_layout else "never", window=o.window, min_gain=o.min_gain,
                                 confidence=o.confidence, horizon=o.horizon)
+    layer_bytes = model.layer_bytes()  # per rank, under expert parallelism
     loop = DynmoLoop(balance_cfg, microbatches=model.m, schedule=model.schedule, stages_per_rank=model.v,
-                     layer_params=trace.header.params, layer_bytes=trace.header.layer_bytes, layer_flops=flops,
+                     layer_params=trace.header.params, layer_bytes=[int(b) for b in layer_bytes], layer_flops=flops,
                      migration_fixed_s=o.mig_fixed, migration_bandwidth=o.mig_bandwidth)
     share = expert_share(cfg, sublayer=False)  # the expert replay reads whole-block traces
     eb = ExpertBalancer(ranks=model.ep, groups=model.groups, names=names, expert_bytes=model.expert_bytes,
@@ -192,7 +194,7 @@ def run_dynmo(model: _Model, layout: Layout, decide_layout: bool, res: ExpertPol
         if decide_layout:
             decision = loop.decide(k, layout, steps - k)
             if decision is not None and decision.layout != layout and decision.layout.num_stages == layout.num_stages:
-                moved, nbytes = moved_bytes(layout, decision.layout, list(range(layout.num_stages)), trace.header.layer_bytes)
+                moved, nbytes = moved_bytes(layout, decision.layout, list(range(layout.num_stages)), layer_bytes)
                 if moved:
                     sec = o.mig_fixed + nbytes / o.mig_bandwidth
                     overhead += sec
@@ -219,7 +221,7 @@ def run_dynmo(model: _Model, layout: Layout, decide_layout: bool, res: ExpertPol
             tokens[i] = model.agg[k, j].tolist()
         rec = StepRecord(step=k, layout=list(layout.boundaries), microbatches=model.m,
                          layer_cost_s=(f + bw).tolist(), layer_fwd_s=f.tolist(), layer_bwd_s=bw.tolist(),
-                         layer_state_bytes=list(trace.header.layer_bytes), step_s=t, events=events,
+                         layer_state_bytes=[int(b) for b in layer_bytes], step_s=t, events=events,
                          stats={"moe_tokens_per_expert": tokens})
         loop.observe(rec)
         eb.observe(rec)
