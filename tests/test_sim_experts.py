@@ -34,6 +34,14 @@ def test_refuses_bad_ep(moe, ep, dp, match):
         replay_experts(moe, 2, dp, ep)
 
 
+@pytest.mark.parametrize("ep, opts, match", [(2, dict(extra_slots=1, copies=3), "copies = 3 do not fit: the 2 ranks have 2"),
+                                             (8, dict(extra_slots=1, copies=9), "copies = 9 do not fit"),
+                                             (2, dict(extra_slots=5, copies=1), "room for copies of at most 4 others")])
+def test_refuses_copies_the_ranks_cannot_hold(moe, ep, opts, match):
+    with pytest.raises(SimInputError, match=match):
+        replay_experts(moe, 2, 8, ep, X.ExpertOptions(**opts))
+
+
 @pytest.mark.parametrize("opts, match", [(dict(copies=2), "extra_slots"), (dict(split="x"), "split"),
                                          (dict(a2a_bandwidth=0), "a2a_bandwidth"), (dict(window=0), "window")])
 def test_refuses_bad_options(moe, opts, match):

@@ -245,6 +245,12 @@ class _Model:
                                 f"choose a divisor of {self.n}")
         if dp % ep:
             raise SimInputError(f"ep = {ep} does not divide dp = {dp}: an EP group is ep data-parallel replicas")
+        if opts.extra_slots > self.n - self.n // ep:
+            raise SimInputError(f"extra_slots = {opts.extra_slots}: a rank holds {self.n // ep} of the {self.n} experts at "
+                                f"ep = {ep}, so it has room for copies of at most {self.n - self.n // ep} others")
+        if opts.copies > ep * opts.extra_slots:
+            raise SimInputError(f"copies = {opts.copies} do not fit: the {ep} ranks have {ep * opts.extra_slots} extra "
+                                f"slots (extra_slots = {opts.extra_slots} each); give copies <= {ep * opts.extra_slots}")
         self.groups = dp // ep
         ropts = ReplayOptions(microbatches=opts.microbatches)
         self.schedule, self.v = schedule_of(trace, ropts)
