@@ -313,6 +313,16 @@ def test_scored_by_step_time_a_layer_off_the_critical_path_keeps_its_experts():
     assert "block0" in eb.decide(10, {}, 100)
 
 
+def test_the_balancer_keeps_only_the_steps_a_decision_reads():
+    from dynmo.controller.evidence import EVIDENCE_STEPS
+
+    eb = _balancer()
+    for rec in _records(lambda k: [100, 90 + k % 2, 10, 5], 3 * EVIDENCE_STEPS):
+        eb.observe(rec)
+    assert all(len(h[name]) == EVIDENCE_STEPS for h in (eb.loads, eb.seconds, eb.costs) for name in h)
+    assert eb.loads["block0"][-1] == [100.0, 91.0, 10.0, 5.0]  # the newest kept
+
+
 def test_a_measured_replacement_refits_the_move_and_restarts_the_evidence():
     from dynmo.record import StepRecord
 

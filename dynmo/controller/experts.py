@@ -108,6 +108,9 @@ class ExpertBalancer:
         for name, s in per_step.items():
             self.seconds.setdefault(name, []).append(s)
             self.costs.setdefault(name, []).append(costs)
+        for kept in (self.loads, self.seconds, self.costs):  # a decision reads EVIDENCE_STEPS steps at most
+            for name, hist in kept.items():
+                del hist[:-evidence.EVIDENCE_STEPS]
         for e in rec.events:
             if e.get("type") == "replacement":
                 self.fixed_s, self.bandwidth = migration.refit(self.fixed_s, self.bandwidth, int(e.get("bytes", 0)),
