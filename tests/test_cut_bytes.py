@@ -158,8 +158,8 @@ def test_optimal_with_cut_factors_matches_brute_force_with_fewest_moves(pr):
         except BalanceError:
             continue
         assert other.stage_loads == pr.loads_of_assignment(other.assignment)
-        if contiguous:
-            assert r.bottleneck <= other.bottleneck * (1 + 1e-9) + 1e-9
+        if contiguous:  # within the tolerance optimal trades for fewer moves (above)
+            assert r.bottleneck <= other.bottleneck + 2 * tol + 1e-9
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
