@@ -153,6 +153,22 @@ class DynmoLoop:
         } | ({"best_step_s": decision.best_step_s, "repack_tolerance": self.cfg.repack_tolerance}
              if decision.reason == "repack" else {})
 
+    def worker_free(self, costs, layout: Layout | None) -> list[float]:
+        """Measured per-layer costs on `layout`'s workers as the controller keeps them: time on a
+        worker of speed s is cost / s, undone."""
+        ctl = self.controller
+        costs = [float(c) for c in costs]
+        if ctl.speeds and layout is not None and layout.num_stages <= len(ctl.speeds):
+            owner = layout.owner()
+            costs = [c * ctl.speeds[owner[i]] for i, c in enumerate(costs)]
+        return costs
+
+    def step_times(self, steps: list[list[float]], layout: Layout) -> list[float]:
+        """The simulated step time of `layout` under each of `steps`' measured per-layer costs
+        (as a record carries them, on `layout`'s workers): what the expert balancer scores
+        placements with, the layer controller's own objective."""
+        return self.controller.step_times([self.worker_free(c, layout) for c in steps], layout)
+
     def observe(self, rec: StepRecord) -> None:
         """Take in one step: its costs, memory and events (dynamism, migrations)."""
         ctl = self.controller
@@ -166,11 +182,7 @@ class DynmoLoop:
             density = rec.stats.get("prune_density") or [None] * len(self.layer_params)
             costs = [c * (1.0 if d is None else d) for c, d in zip(self.layer_params, density)]
         else:
-            costs = list(rec.layer_cost_s)  # typical microbatch: robust to one slowed microbatch
-            if ctl.speeds and layout is not None and layout.num_stages <= len(ctl.speeds):
-                # time on a worker of speed s is cost / s: undo it, so costs are worker-free
-                owner = layout.owner()
-                costs = [c * ctl.speeds[owner[i]] for i, c in enumerate(costs)]
+            costs = self.worker_free(rec.layer_cost_s, layout)  # typical microbatch: robust to one slowed microbatch
         if layout is not None and rec.layer_act_bytes and rec.layer_state_bytes:
             S = layout.num_stages
             held = max(in_flight(self.schedule, rec.microbatches or ctl.microbatches, S, j) for j in range(S))

@@ -229,7 +229,7 @@ class Trainer:
             eb = self.expert_balancer
             layout = self.pipe.layout
             decision = eb.decide(step, dict(self.pipe.ep.orders), self.cfg.train.steps - step,
-                                 step_times=lambda steps: self.loop.controller.step_times(steps, layout))
+                                 step_times=lambda steps: self.loop.step_times(steps, layout))
             weighed = {k: v for k, v in eb.last.items() if k in decision}
         obj = [decision, weighed]
         dist.broadcast_object_list(obj, src=0, group=self.ctx.active_group)

@@ -291,14 +291,14 @@ def test_scored_by_step_time_a_layer_off_the_critical_path_keeps_its_experts():
     from dynmo.layout import Layout
     from dynmo.loop import DynmoLoop
 
-    ctl = DynmoLoop(BalanceConfig(), microbatches=16, schedule="1F1B", layer_params=[1, 1, 1]).controller
+    loop = DynmoLoop(BalanceConfig(), microbatches=16, schedule="1F1B", layer_params=[1, 1, 1])
     layout = Layout((0, 2, 3))  # embed and block0 | head
     lopsided = lambda k: [100, 90 + k % 3, 10, 5]  # noqa: E731
     # block0 (0.05 s) on stage 0, the head (0.01 s) on stage 1: block0 is the bottleneck
     eb = _balancer(expert_share={"block0": 0.6})
     for rec in _records(lopsided, 10, others=(0.0, 0.01)):
         eb.observe(rec)
-    assert "block0" in eb.decide(10, {}, 100, step_times=lambda steps: ctl.step_times(steps, layout))
+    assert "block0" in eb.decide(10, {}, 100, step_times=lambda steps: loop.step_times(steps, layout))
     w = eb.last["block0"]
     assert w["scored_by"] == "step time" and w["significant"]
     # 0.6 of the layer follows the busiest rank (100 + 90 -> 100 + 5), and the bottleneck is the step
@@ -307,7 +307,7 @@ def test_scored_by_step_time_a_layer_off_the_critical_path_keeps_its_experts():
     eb = _balancer(expert_share={"block0": 0.6})
     for rec in _records(lopsided, 10, others=(0.0, 0.15)):
         eb.observe(rec)
-    assert eb.decide(10, {}, 100, step_times=lambda steps: ctl.step_times(steps, layout)) == {}
+    assert eb.decide(10, {}, 100, step_times=lambda steps: loop.step_times(steps, layout)) == {}
     assert 0 < eb.last["block0"]["gain"] < 0.01 and not eb.last["block0"]["significant"]
     # scored by the busiest rank alone, the same routing would move it
     assert "block0" in eb.decide(10, {}, 100)

@@ -20,7 +20,7 @@ Policies (one placement per MoE layer, the same in every EP group):
            seconds under the placements and layout in force, the mean over the EP groups, and
            the tokens per expert summed over the replicas): placements by
            `dynmo.controller.experts.ExpertBalancer`, which scores a proposal by the simulated
-           step time of the layout in force (`Controller.step_times`, the expert share of a MoE
+           step time of the layout in force (`DynmoLoop.step_times`, the expert share of a MoE
            unit from `dynmo.flops.expert_share`) and moves experts when the saving is significant
            and repays the move; with layouts = "dynmo", the layer layout by `dynmo.loop.DynmoLoop`
            (`balance.when = "auto"`), starting on the default start (the FLOP model's layout),
@@ -202,7 +202,7 @@ def run_dynmo(model: _Model, layout: Layout, decide_layout: bool, res: ExpertPol
                     events.append({"type": "migration", "bytes": nbytes, "seconds": sec})
                 layout = decision.layout
                 loop.applied(model.m)
-        new = eb.decide(k, orders, steps - k, step_times=lambda s, lay=layout: loop.controller.step_times(s, lay))
+        new = eb.decide(k, orders, steps - k, step_times=lambda s, lay=layout: loop.step_times(s, lay))
         if new:
             old = placements()
             orders.update(new)
