@@ -43,6 +43,7 @@ from pathlib import Path
 from dynmo.balance import BalanceError
 from dynmo.engine import SimInputError
 from dynmo.sim.replay.expert_policies import LAYOUTS, replay_experts
+from dynmo.sim.replay.expert_render import split_line, table_lines
 from dynmo.sim.replay.experts import ExpertOptions
 from dynmo.sim.trace import TraceError, load_trace, scale_trace
 
@@ -58,10 +59,6 @@ def _eps(text: str) -> list[int]:
     if not out or any(e < 1 for e in out):
         raise argparse.ArgumentTypeError(f"--ep takes integers >= 1, got {text!r}")
     return out
-
-
-def _f(x, fmt: str = ".3f") -> str:
-    return "" if x is None else format(x, fmt)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,33 +109,13 @@ def main(argv: list[str] | None = None) -> int:
                     *([] if args.layouts == "fixed" else ["--layouts", args.layouts]),
                     *([] if args.seed == 0 else ["--seed", str(args.seed)])])
     print(cmd + "\n")
-    names = ["dynmo", "oracle"]
-    print("| trace | E | slots + copies | static layout | static s | dynmo speedup | dynmo capture | "
-          "dynmo re-placements | dynmo layer migrations | oracle speedup | dynmo over its start, static "
-          "| busiest / mean: static, dynmo, oracle |")
-    print("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
-    for path, ep, out in rows:
-        r = out.results
-        sh = out.shape
-        d = r["dynmo"]
-        cells = [_f(d.speedup), _f(d.capture, ".2f"), str(d.migrations), str(d.layer_migrations), _f(r["oracle"].speedup),
-                 _f(r["start"].total_s / d.total_s) if "start" in r else "n/a"]
-        busy = ", ".join(f"{r[n].as_dict()['mean_busiest_over_mean']:.3f}" for n in ["static", *names])
-        slots = f"{sh['experts'] // ep} + {sh['extra_slots']}, {sh['copies']}"
-        print(f"| {path.stem} | {ep} | {slots} | {out.layout_name} | {r['static'].total_s:.1f} | "
-              + " | ".join(cells) + f" | {busy} |")
-    split = rows[0][2].split if rows else None
-    if split is not None:
-        for path, ep, out in rows:
-            if ep != rows[0][1]:
-                continue
-            s = out.split
-            fit = s["fit"]
-            print(f"\nsplit of {path.stem}: {s['used']}; fit cost/microbatch = {fit['a'] * 1e3:.2f} ms + "
-                  f"{fit['b'] * 1e6:.2f} us x padded rows (R^2 {fit['r2']:.2f}, {fit['points']} points); expert share "
-                  f"of the median MoE layer ({s['median_padded_rows']:.0f} padded rows): fit {s['expert_share_fit']:.2f}, "
-                  f"FLOPs {s['expert_share_flops']:.2f}", end="")
+    for line in table_lines([(p.stem, ep, out) for p, ep, out in rows]):
+        print(line)
+    if rows:
         print()
+        for path, ep, out in rows:
+            if ep == rows[0][1]:
+                print(split_line(path.stem, out))
     return 0
 
 

@@ -208,3 +208,31 @@ def test_the_benchmark_refuses_bad_input_in_one_line(args, match, capsys):
     assert _bench().main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and match in err[0]
+
+
+def test_dynmo_simulate_replays_a_trace_with_expert_parallelism(moe, tmp_path, capsys):
+    """`dynmo simulate --trace T --ep E`: the expert replay's table, or with --json its figures,
+    the library's replay at that shape; the layer replay's options and a bad E are one line, exit 2."""
+    from dynmo.sim.cli import main
+
+    moe.write(tmp_path / "moe.jsonl")
+    args = ["--trace", str(tmp_path / "moe.jsonl"), "--ep", "2", "--dp", "4", "--stages", "2", "--microbatches", "4",
+            "--layouts", "dynmo"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    want = replay_experts(moe, 2, 4, 2, X.ExpertOptions(microbatches=4), layouts="dynmo")
+    (row,) = [line.split(" | ") for line in out.splitlines() if line.startswith(f"| {tmp_path / 'moe.jsonl'} |")]
+    assert row[1] == "2" and float(row[5]) == pytest.approx(want.results["dynmo"].speedup, abs=5e-4)
+    assert main(args + ["--json"]) == 0
+    import json
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ep"] == 2 and doc["policies"]["static"]["total_s"] == pytest.approx(want.results["static"].total_s)
+    for bad, match in ((["--policies", "uniform"], "--policies does not apply with --ep"),
+                       (["--shard", "full"], "--shard does not apply with --ep"),
+                       (["--ep", "3", "--dp", "6"], "does not divide the 8 experts"),
+                       (["--copies", "5", "--extra-slots", "1"], "copies = 5 do not fit")):
+        assert main(args + bad) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and match in err[0], err
+    assert main(["--input", "x.json", "--ep", "2"]) == 2
+    assert "--ep replays a trace: give --trace" in capsys.readouterr().err

@@ -133,6 +133,15 @@ def _parser() -> ArgumentParser:
                    "FSDP2): sharded migration bytes, and with --allreduce-bandwidth optimizer's parameter "
                    "all-gather after each step, full's per-microbatch all-gathers and reduce-scatters in place "
                    "of the all-reduce")
+    e = ap.add_argument_group("expert parallelism (--trace with --ep: the expert replay, dynmo.sim.expert_cli)")
+    e.add_argument("--ep", type=int, help="experts of each MoE layer spread over this many dp replicas of its stage")
+    e.add_argument("--layouts", choices=("fixed", "dynmo"), default="fixed",
+                   help="fixed: the layer layout held (placement alone); dynmo: decided with the placements")
+    e.add_argument("--extra-slots", type=int, default=0, help="expert slots per rank beyond N / E, for copies")
+    e.add_argument("--copies", type=int, default=0, help="copies of hot experts per layer the oracle may place")
+    e.add_argument("--a2a-bandwidth", type=float, default=25e9, help="all-to-all bytes/s per rank (default 2.5e10)")
+    e.add_argument("--experts-every", type=int, default=BalanceConfig().experts_every,
+                   help="balance.experts_every: steps between placement decisions")
     r.add_argument("--plots", metavar="DIR", help="write PNG plots to DIR")
     r.add_argument("--json", action="store_true", help="print JSON instead of the table")
     r.add_argument("--save-trace", metavar="FILE", help="write the (converted or scaled) trace to FILE")
@@ -263,6 +272,12 @@ def main(argv: list[str] | None = None) -> int:
         return args
     try:
         number("--indent", args.indent, 0, MAX_INDENT)
+        if args.trace is not None and args.ep is not None:
+            from dynmo.sim import expert_cli
+
+            return expert_cli.main(args, vars(_parser().parse_args(["--trace", "x"])))
+        if args.ep is not None:
+            raise InputError("--ep replays a trace: give --trace")
         if args.trace is not None:
             return _replay_main(args)
         spec = read_json(args.input)

@@ -1,0 +1,78 @@
+"""`dynmo simulate --trace T --ep E`: a MoE trace replayed with expert parallelism.
+
+    dynmo simulate --trace moe.jsonl --stages 16 --dp 8 --ep 8 [--scale-blocks 32] [--microbatches 64]
+                   [--layouts fixed|dynmo] [--extra-slots S --copies C] [--a2a-bandwidth B]
+                   [--experts-every N] [--window W] [--min-gain G] [--confidence P] [--horizon H]
+                   [--mig-bandwidth B] [--mig-fixed S] [--json]
+
+The experts of every MoE layer spread over E data-parallel replicas of its stage; the policies
+static, dynmo (the trainer's `balance.experts = "auto"`, and with `--layouts dynmo` its layer
+controller too) and the per-step oracle (`dynmo.sim.replay.expert_policies`; what is modelled:
+`dynmo.sim.replay.experts`). Prints the table of benchmarks/replay_experts.py for the one trace,
+or with `--json` every figure and the per-step series. The layer replay's own options (policies,
+starts, links, sharding, plots) do not apply and are refused in one line, exit 2, as is a trace
+without routing or an E that does not divide the experts or dp.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from dynmo.jsonio import InputError, integer, number, write_json
+from dynmo.sim.trace import MAX_DP, MAX_MICROBATCHES, MAX_STAGES
+
+# the layer replay's options and their defaults: with --ep, any other value is refused
+NOT_WITH_EP = {"policies": None, "start": "default", "oracle_window": None, "stages_per_rank": None,
+               "cost_scale": 1.0, "params_scale": 1.0, "when": "auto", "every": None, "confirm": None,
+               "repack_tolerance": None, "retune_microbatches": False, "restart_s": None, "no_decide_time": False,
+               "comm": 0.0, "link_delay": None, "links": "measure", "profile_steps": None, "op_overhead": 0.0,
+               "allreduce_bandwidth": None, "allreduce_latency": 0.0, "shard": "none", "plots": None,
+               "save_trace": None, "schedule": None, "p2p": None}
+
+
+def check(args: argparse.Namespace, defaults: dict) -> None:
+    """Every --ep flag in range, and none of the layer replay's own: InputError (one line)."""
+    for name, default in NOT_WITH_EP.items():
+        if getattr(args, name) != (defaults[name] if default is None else default):
+            raise InputError(f"--{name.replace('_', '-')} does not apply with --ep (the expert replay); "
+                             "leave it out or replay without --ep")
+    integer("--ep", args.ep, 1, MAX_DP, limit="MAX_DP")
+    if args.dp is not None:
+        integer("--dp", args.dp, 1, MAX_DP, limit="MAX_DP")
+    if args.stages is not None:
+        integer("--stages", args.stages, 1, MAX_STAGES, limit="MAX_STAGES")
+    if args.microbatches is not None:
+        integer("--microbatches", args.microbatches, 1, MAX_MICROBATCHES, limit="MAX_MICROBATCHES")
+    number("--noise", args.noise, 0.0, 1.0)
+
+
+def main(args: argparse.Namespace, defaults: dict) -> int:
+    from dynmo.sim.replay.expert_policies import replay_experts
+    from dynmo.sim.replay.expert_render import split_line, table_lines
+    from dynmo.sim.replay.experts import ExpertOptions
+    from dynmo.sim.trace import load_trace, scale_trace
+
+    check(args, defaults)
+    opts = ExpertOptions(microbatches=args.microbatches, extra_slots=args.extra_slots, copies=args.copies,
+                         a2a_bandwidth=args.a2a_bandwidth, every=args.experts_every, window=args.window,
+                         min_gain=args.min_gain, confidence=args.confidence, horizon=args.horizon,
+                         mig_fixed=args.mig_fixed, mig_bandwidth=args.mig_bandwidth)
+    opts.check()
+    trace = load_trace(args.trace)
+    if args.scale_blocks:
+        trace = scale_trace(trace, args.scale_blocks, noise=args.noise)
+    h = trace.header
+    stages = args.stages or h.pp * h.virtual_stages
+    dp = args.dp or h.dp
+    out = replay_experts(trace, stages, dp, args.ep, opts, layouts=args.layouts)
+    if args.json:
+        write_json({"trace": str(args.trace), "ep": args.ep, **out.as_dict()}, indent=args.indent or None)
+        return 0
+    sh = out.shape
+    print(f"trace: {args.trace}, {sh['moe_layers']} MoE layers of {sh['experts']} experts, {sh['steps']} steps")
+    print(f"replay: {sh['schedule']}, {stages} stages x {dp} dp, E = {args.ep} ({sh['groups']} EP groups a stage), "
+          f"{sh['microbatches']} microbatches, layer layout {args.layouts}")
+    for line in table_lines([(str(args.trace), args.ep, out)]):
+        print(line)
+    print(split_line(str(args.trace), out))
+    return 0
