@@ -305,3 +305,11 @@ def test_moe_cases_are_replayed_with_expert_parallelism_and_the_rows_kept(tmp_pa
     assert [line for line in text.splitlines() if line.startswith("| moe | 6 layers, 2x2 | 2 (8) |")]
     assert bench.main(["--out", str(tmp_path), "--cases", "moe", "--no-real", "--no-sim"]) == 0
     assert json.loads((tmp_path / "bench.json").read_text())["experts"] == [row]
+    # a MoE trace without the routing (recorded before it was): no row, and the output says why
+    for st in t.steps:
+        st.stats.pop("moe_tokens_per_expert", None)
+    t.write(tmp_path / "traces" / "moe-static.jsonl")
+    assert bench.main(argv) == 0
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert doc["experts"] == [] and any(m.startswith("moe: no expert-parallel replay: ") and "moe_tokens_per_expert" in m
+                                        for m in doc["missing"]), doc["missing"]

@@ -187,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
                 missing.append(f"{name}: no static trace to simulate from (run without --no-real first)")
                 continue
             sim += [r | {"run": run} for r in sim_rows(case, out)]
-            experts += [r | {"run": run} for r in expert_rows(case, out)]
+            found, why = expert_rows(case, out)
+            experts += [r | {"run": run} for r in found]
+            missing += why
         write()
     if not args.no_sim:
         print("dynmo bench: whole blocks against half blocks (replay)", file=sys.stderr, flush=True)

@@ -18,6 +18,7 @@ from dynmo.sim.plots import write_plots
 from dynmo.sim.replay import ReplayOptions, capture, load_sublayer_trace, replay, replay_balance, replay_units
 from dynmo.sim.replay.expert_policies import replay_experts
 from dynmo.sim.replay.experts import ExpertOptions, moe_layers
+from dynmo.sim.trace.format import traced_model
 
 
 def sim_rows(case: BenchCase, out: Path) -> list[dict]:
@@ -57,17 +58,20 @@ def sim_rows(case: BenchCase, out: Path) -> list[dict]:
     return rows
 
 
-def expert_rows(case: BenchCase, out: Path) -> list[dict]:
+def expert_rows(case: BenchCase, out: Path) -> tuple[list[dict], list[str]]:
     """A MoE case's trace, scaled as `sim_rows` scales it, replayed with expert parallelism over
     each stage's dp replicas (E = dp: one expert a rank with 8 experts and dp 8) and one decision
     for the layer layout and the placements (`replay_experts(layouts="dynmo")`): static
-    placement on the best static layout, dynmo's placements and layouts, the oracle. [] for a
-    case whose trace records no routing."""
+    placement on the best static layout, dynmo's placements and layouts, the oracle. No row for
+    a model without experts; a line saying why for a MoE model whose trace cannot be replayed so
+    (a trace from before routing was recorded)."""
     trace = scale_trace(load_trace(out / "traces" / f"{case.name}-static.jsonl"), case.blocks, noise=0.05)
+    model = traced_model(trace.header)
     try:
         moe_layers(trace)
-    except SimInputError:
-        return []
+    except SimInputError as e:
+        moe = model is not None and (model.block == "moe" or model.family == "mixtral")
+        return [], ([f"{case.name}: no expert-parallel replay: {str(e).splitlines()[0]}"] if moe else [])
     ep = case.dp
     got = replay_experts(trace, case.stages, case.dp, ep, ExpertOptions(microbatches=4 * case.stages), layouts="dynmo")
     r = got.results
@@ -76,7 +80,7 @@ def expert_rows(case: BenchCase, out: Path) -> list[dict]:
              "dynmo": r["dynmo"].speedup, "capture": r["dynmo"].capture, "oracle": r["oracle"].speedup,
              "dynmo_vs_start": r["start"].total_s / r["dynmo"].total_s,
              "replacements": r["dynmo"].migrations, "layer_migrations": r["dynmo"].layer_migrations,
-             "busiest_over_mean": {p: r[p].as_dict()["mean_busiest_over_mean"] for p in ("static", "dynmo", "oracle")}}]
+             "busiest_over_mean": {p: r[p].as_dict()["mean_busiest_over_mean"] for p in ("static", "dynmo", "oracle")}}], []
 
 
 def _dense_trace(out: Path, case: BenchCase) -> Path | None:
