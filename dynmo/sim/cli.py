@@ -40,7 +40,8 @@ from dynmo.jsonio import (
     ArgumentParser, InputError, NonFiniteError, choice, dumps, fail, integer, number, parse_args,
     read_json, write_json,
 )
-from dynmo.sim.trace import MAX_DP, MAX_LAYERS, MAX_MICROBATCHES, MAX_NOISE, MAX_STAGES, MAX_STEPS, TraceError
+from dynmo.sim.args import check_shape
+from dynmo.sim.trace import MAX_DP, MAX_MICROBATCHES, MAX_STAGES, MAX_STEPS, TraceError
 
 PROG = "dynmo simulate"
 
@@ -307,19 +308,11 @@ def _check_replay_args(args: argparse.Namespace) -> list[str] | None:
 
     if args.schedule is not None:
         canonical_name(args.schedule)
-    if args.microbatches is not None:
-        integer("--microbatches", args.microbatches, 1, MAX_MICROBATCHES, limit="MAX_MICROBATCHES")
-    if args.dp is not None:
-        integer("--dp", args.dp, 1, MAX_DP, limit="MAX_DP")
-    if args.stages is not None:
-        integer("--stages", args.stages, 1, MAX_STAGES, limit="MAX_STAGES")
+    check_shape(args)
     if args.stages_per_rank is not None:
         integer("--stages-per-rank", args.stages_per_rank, 1, MAX_STAGES, limit="MAX_STAGES")
-    if args.scale_blocks is not None:
-        integer("--scale-blocks", args.scale_blocks, 1, MAX_LAYERS - 2, limit="MAX_LAYERS - 2")
     number("--cost-scale", args.cost_scale, positive=True)
     number("--params-scale", args.params_scale, positive=True)
-    number("--noise", args.noise, 0, MAX_NOISE)
     choice("--when", args.when, WHEN)
     integer("--every", args.every, 1, MAX_STEPS, limit="MAX_STEPS")
     integer("--window", args.window, 1, MAX_STEPS, limit="MAX_STEPS")

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import argparse
 
-from dynmo.jsonio import InputError, integer, number, write_json
-from dynmo.sim.trace import MAX_DP, MAX_MICROBATCHES, MAX_STAGES
+from dynmo.jsonio import InputError, integer, write_json
+from dynmo.sim.args import check_shape
+from dynmo.sim.trace import MAX_DP
 
 # the layer replay's options and their defaults: with --ep, any other value is refused
 NOT_WITH_EP = {"policies": None, "start": "default", "oracle_window": None, "stages_per_rank": None,
@@ -37,13 +38,7 @@ def check(args: argparse.Namespace, defaults: dict) -> None:
             raise InputError(f"--{name.replace('_', '-')} does not apply with --ep (the expert replay); "
                              "leave it out or replay without --ep")
     integer("--ep", args.ep, 1, MAX_DP, limit="MAX_DP")
-    if args.dp is not None:
-        integer("--dp", args.dp, 1, MAX_DP, limit="MAX_DP")
-    if args.stages is not None:
-        integer("--stages", args.stages, 1, MAX_STAGES, limit="MAX_STAGES")
-    if args.microbatches is not None:
-        integer("--microbatches", args.microbatches, 1, MAX_MICROBATCHES, limit="MAX_MICROBATCHES")
-    number("--noise", args.noise, 0.0, 1.0)
+    check_shape(args)
 
 
 def main(args: argparse.Namespace, defaults: dict) -> int:
