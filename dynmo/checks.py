@@ -108,7 +108,7 @@ def check_expert_parallel(cfg: Config) -> None:
         raise ConfigError(f"parallel.ep = {ep!r}: use a whole number >= 1 (1 = no expert parallelism)")
     if ep == 1:
         return
-    if not (m.block == "moe" or m.family == "mixtral"):
+    if not m.has_experts:
         raise ConfigError(f"parallel.ep = {ep} spreads the experts of MoE layers, and model.block = {m.block!r} has "
                           "none: use model.block = \"moe\" or parallel.ep = 1")
     if dp % ep:

@@ -75,6 +75,11 @@ class ModelConfig:
     hashattn: HashAttnConfig = field(default_factory=HashAttnConfig)  # [model.hashattn]
     mod: MoDConfig = field(default_factory=MoDConfig)  # [model.mod]
 
+    @property
+    def has_experts(self) -> bool:
+        """Whether the blocks route tokens to experts (gpt `moe` blocks, every mixtral block)."""
+        return self.block == "moe" or self.family == "mixtral"
+
 
 @dataclass
 class DataConfig:

@@ -47,7 +47,7 @@ def attention_macs(m: ModelConfig, tokens: int | None = None) -> float:
 def mlp_macs(m: ModelConfig) -> float:
     """Multiply-adds per token of one block's MLP (top_k experts and the router for MoE)."""
     mlp = _shapes(m)[3]
-    if m.block == "moe" or m.family == "mixtral":
+    if m.has_experts:
         return m.moe.top_k * mlp + m.d_model * m.moe.num_experts
     return mlp
 
@@ -74,7 +74,7 @@ def block_halves_macs(m: ModelConfig, block: int) -> tuple[float, float]:
 def expert_share(m: ModelConfig, sublayer: bool = False) -> float:
     """The share of a MoE unit's multiply-adds in its experts (top_k expert MLPs per token): of
     the whole block, or of its MLP half with `sublayer` (the router is the rest). 0 without experts."""
-    if not (m.block == "moe" or m.family == "mixtral"):
+    if not m.has_experts:
         return 0.0
     experts = m.moe.top_k * _shapes(m)[3]
     return experts / (mlp_macs(m) if sublayer else attention_macs(m) + mlp_macs(m))

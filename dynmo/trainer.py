@@ -223,10 +223,13 @@ class Trainer:
         return [event]
 
     def _balance_experts(self, step: int) -> list[dict]:
-        """balance.experts = "auto": rank 0 decides from the measured routing, every rank moves."""
+        """balance.experts = "auto": rank 0 decides from the measured routing, every rank moves.
+        Only at the steps the balancer looks (every `balance.experts_every`): no broadcast between."""
+        eb = self.expert_balancer
+        if eb.every <= 0 or step % eb.every:
+            return []
         decision, weighed = None, None
         if self.ctx.is_logger:
-            eb = self.expert_balancer
             layout = self.pipe.layout
             decision = eb.decide(step, dict(self.pipe.ep.orders), self.cfg.train.steps - step,
                                  step_times=lambda steps: self.loop.step_times(steps, layout))

@@ -70,7 +70,7 @@ def expert_rows(case: BenchCase, out: Path) -> tuple[list[dict], list[str]]:
     try:
         moe_layers(trace)
     except SimInputError as e:
-        moe = model is not None and (model.block == "moe" or model.family == "mixtral")
+        moe = model is not None and model.has_experts
         return [], ([f"{case.name}: no expert-parallel replay: {str(e).splitlines()[0]}"] if moe else [])
     ep = case.dp
     got = replay_experts(trace, case.stages, case.dp, ep, ExpertOptions(microbatches=4 * case.stages), layouts="dynmo")

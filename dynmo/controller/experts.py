@@ -34,8 +34,8 @@ noise alone):
             without, the layer's whole measured time stands for the time its busiest rank
             spends in the experts (an upper bound on what the placement can save).
 
-A layer that moved is not looked at again before `balance.window` fresh steps have run under
-its new placement.
+A layer that moved starts its evidence afresh: it is not looked at again before 2 x
+max(`balance.window`, MIN_JUDGE) steps have run under its new placement.
 """
 
 from __future__ import annotations

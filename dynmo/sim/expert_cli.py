@@ -22,19 +22,17 @@ from dynmo.jsonio import InputError, integer, write_json
 from dynmo.sim.args import check_shape
 from dynmo.sim.trace import MAX_DP
 
-# the layer replay's options and their defaults: with --ep, any other value is refused
-NOT_WITH_EP = {"policies": None, "start": "default", "oracle_window": None, "stages_per_rank": None,
-               "cost_scale": 1.0, "params_scale": 1.0, "when": "auto", "every": None, "confirm": None,
-               "repack_tolerance": None, "retune_microbatches": False, "restart_s": None, "no_decide_time": False,
-               "comm": 0.0, "link_delay": None, "links": "measure", "profile_steps": None, "op_overhead": 0.0,
-               "allreduce_bandwidth": None, "allreduce_latency": 0.0, "shard": "none", "plots": None,
-               "save_trace": None, "schedule": None, "p2p": None}
+# the layer replay's own options: with --ep, any value but the parser's default is refused
+NOT_WITH_EP = ("policies", "start", "oracle_window", "stages_per_rank", "cost_scale", "params_scale", "when", "every",
+               "confirm", "repack_tolerance", "retune_microbatches", "restart_s", "no_decide_time", "comm",
+               "link_delay", "links", "profile_steps", "op_overhead", "allreduce_bandwidth", "allreduce_latency",
+               "shard", "plots", "save_trace", "schedule", "p2p")
 
 
 def check(args: argparse.Namespace, defaults: dict) -> None:
     """Every --ep flag in range, and none of the layer replay's own: InputError (one line)."""
-    for name, default in NOT_WITH_EP.items():
-        if getattr(args, name) != (defaults[name] if default is None else default):
+    for name in NOT_WITH_EP:
+        if getattr(args, name) != defaults[name]:
             raise InputError(f"--{name.replace('_', '-')} does not apply with --ep (the expert replay); "
                              "leave it out or replay without --ep")
     integer("--ep", args.ep, 1, MAX_DP, limit="MAX_DP")

@@ -9,7 +9,6 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterable
 
 from dynmo.config import HashAttnConfig, ModelConfig, MoDConfig, MoEConfig
-
 from dynmo.jsonio import is_int, is_number
 from dynmo.loop import BYTES_PER_PARAM
 from dynmo.record import StepRecord
