@@ -13,6 +13,7 @@ import tomllib
 from pathlib import Path
 
 from dynmo import hf_config, rundir
+from dynmo.balance.experts import check_order
 from dynmo.config import Config, ConfigError, ModelConfig
 from dynmo.layout import Layout
 from dynmo.loop import check_balance
@@ -106,7 +107,13 @@ def check_expert_parallel(cfg: Config) -> None:
     ep, dp, m = cfg.parallel.ep, cfg.parallel.dp, cfg.model
     if type(ep) is not int or ep < 1:
         raise ConfigError(f"parallel.ep = {ep!r}: use a whole number >= 1 (1 = no expert parallelism)")
+    slots = cfg.parallel.expert_slots
+    if type(slots) is not int or slots < 0:
+        raise ConfigError(f"parallel.expert_slots = {slots!r}: use a whole number >= 0 (0 = no copies of experts)")
     if ep == 1:
+        if slots:
+            raise ConfigError(f"parallel.expert_slots = {slots} holds copies of experts on other expert-parallel "
+                              "ranks, and parallel.ep = 1: use parallel.ep > 1 or parallel.expert_slots = 0")
         return
     if not m.has_experts:
         raise ConfigError(f"parallel.ep = {ep} spreads the experts of MoE layers, and model.block = {m.block!r} has "
@@ -117,6 +124,11 @@ def check_expert_parallel(cfg: Config) -> None:
     if m.moe.num_experts % ep:
         raise ConfigError(f"parallel.ep = {ep} does not divide moe.num_experts = {m.moe.num_experts}: every rank "
                           "holds the same number of experts")
+    room = m.moe.num_experts - m.moe.num_experts // ep
+    if slots > room:
+        raise ConfigError(f"parallel.expert_slots = {slots}: a rank holds each expert at most once, so at most {room} "
+                          f"copies beyond its {m.moe.num_experts // ep} experts (moe.num_experts = "
+                          f"{m.moe.num_experts}, parallel.ep = {ep})")
     if cfg.parallel.shard != "none":
         raise ConfigError(f"parallel.shard = {cfg.parallel.shard!r} with parallel.ep = {ep}: expert parallelism runs "
                           "with parallel.shard = \"none\" for now")
@@ -160,11 +172,15 @@ def parse_replacements(cfg: Config) -> dict[int, dict[str, tuple[int, ...]]]:
             raise ConfigError(f"{where}: step {step} is not a step of the run ({span} with train.steps={steps})")
         if block is not None and not 0 <= block < m.n_layers:
             raise ConfigError(f"{where}: block {block} is not a block of the model (0..{m.n_layers - 1})")
-        if len(order) != n:
-            raise ConfigError(f"{where}: {len(order)} experts listed, the model has moe.num_experts = {n}")
-        if sorted(order) != list(range(n)):
-            raise ConfigError(f"{where}: {','.join(map(str, order))} is not a permutation of the experts "
-                              f"0..{n - 1} (each once)")
+        slots = n + ep * cfg.parallel.expert_slots
+        if len(order) != slots:
+            copies = f" and parallel.expert_slots = {cfg.parallel.expert_slots}" if cfg.parallel.expert_slots else ""
+            raise ConfigError(f"{where}: {len(order)} experts listed; the ranks hold {slots} (moe.num_experts = {n}"
+                              f"{copies})")
+        try:
+            check_order(order, n, ep)
+        except ValueError as e:
+            raise ConfigError(f"{where}: {e}") from None
         names = [f"block{block}"] if block is not None else [f"block{b}" for b in range(m.n_layers)]
         at = out.setdefault(step, {})
         if any(k in at for k in names):
@@ -529,12 +545,13 @@ def check_checkpoint(cfg: Config, path: str) -> dict:
 
 def check_checkpoint_placement(cfg: Config, path: str, meta: dict) -> None:
     """The experts' placements a checkpoint records (`expert_placement`: {block name: order},
-    restored on resume under expert parallelism) must be orders of the model's experts."""
+    restored on resume under expert parallelism where they fit its ranks and slots) must hold
+    every expert of the model and no other."""
     saved = meta.get("expert_placement") or {}
     n = cfg.model.moe.num_experts
     blocks = {f"block{b}" for b in range(cfg.model.n_layers)}
     ok = isinstance(saved, dict) and all(
-        k in blocks and isinstance(v, list) and all(type(e) is int for e in v) and sorted(v) == list(range(n))
+        k in blocks and isinstance(v, list) and all(type(e) is int for e in v) and set(v) == set(range(n))
         for k, v in saved.items())
     if not ok:
         raise ConfigError(f"{Path(path) / 'dynmo.json'}: its 'expert_placement' record is not an order of the "

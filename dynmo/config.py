@@ -132,6 +132,10 @@ class ParallelConfig:
     # Expert parallelism: the experts of every MoE layer spread over this many of a stage's
     # data-parallel replicas (divides dp and moe.num_experts); 1 = every replica holds them all
     ep: int = 1
+    # Expert parallelism: slots every rank has beyond moe.num_experts / ep, for copies of hot
+    # experts (a copy takes an even share of its expert's tokens; balance.experts = "auto" chooses
+    # which experts get them). 0 = no copies.
+    expert_slots: int = 0
     # Forced re-layouts: "STEP:LAYOUT" entries, applied before that step, e.g. "5:0,3,6,10".
     relayout: list[str] = field(default_factory=list)
     # Forced expert re-placements (parallel.ep > 1): "STEP:ORDER" (every MoE block) or

@@ -92,6 +92,7 @@ class Trainer:
             b = cfg.balance
             self.expert_balancer = ExpertBalancer(
                 ranks=ctx.ep, groups=ctx.dp // ctx.ep, names=[s.prefix for s in self.pipe.specs],
+                extra_slots=cfg.parallel.expert_slots,
                 expert_bytes=12.0 * experts.params_per_expert(self.pipe.specs, cfg.model),  # fp32 weights, 2 moments
                 every=b.experts_every, window=b.window, min_gain=b.min_gain, confidence=b.confidence, horizon=b.horizon,
                 expert_share={s.prefix: expert_share(cfg.model, cfg.parallel.unit == "sublayer") for s in self.pipe.specs})

@@ -10,6 +10,7 @@ The bound: over 6 steps the losses differ from `parallel.ep = 1`'s by at most 1e
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,12 @@ MIXTRAL = ["--config", "configs/mixtral.toml", *COMMON, "--model.n_kv_heads", "1
     (["--parallel.dp", "2", "--parallel.ep", "2", "--parallel.shard", "optimizer"],
      "expert parallelism runs with parallel.shard = \"none\" for now"),
     (["--parallel.ep", "0"], "parallel.ep = 0: use a whole number >= 1"),
+    (["--parallel.dp", "2", "--parallel.expert_slots", "1", "--model.block", "moe"],
+     "parallel.expert_slots = 1 holds copies of experts on other expert-parallel ranks, and parallel.ep = 1"),
+    (["--parallel.dp", "2", "--parallel.ep", "2", "--parallel.expert_slots", "3", "--model.block", "moe",
+      "--model.moe.num_experts", "4"], "parallel.expert_slots = 3: a rank holds each expert at most once, so at most 2"),
+    (["--parallel.dp", "2", "--parallel.ep", "2", "--parallel.expert_slots", "-1", "--model.block", "moe"],
+     "parallel.expert_slots = -1: use a whole number >= 0"),
     (["--parallel.ep", "-2"], "parallel.ep = -2: use a whole number >= 1"),
 ])
 def test_bad_expert_parallel_settings_are_refused(args, message):
@@ -73,18 +80,25 @@ def check_rows(out: Path, ep: int) -> None:
 
 @pytest.mark.dist
 def test_gpt_moe_trains_as_without_expert_parallelism_and_resumes_under_another(tmp_path):
-    """gpt `moe`: dp 4 x pp 1 with ep 2 and 4, dp 2 x pp 2 with ep 2 (also re-packed onto one
-    stage), against ep 1; the ep 2 checkpoint holds the ep 1 one's keys and tensors and resumes
-    at ep 4 (its experts gathered whole, then spread anew), continuing the run."""
+    """gpt `moe`: dp 4 x pp 1 with ep 2 (one extra slot a rank: copies of experts, re-placed
+    to other copies at step 2) and ep 4, dp 2 x pp 2 with ep 2 (also re-packed onto one stage),
+    against ep 1; the ep 2 checkpoint holds the ep 1 one's keys and tensors and resumes at ep 4
+    without copies (its experts gathered whole, then spread anew), continuing the run."""
     dp4 = [*GPT_MOE, "--parallel.dp", "4", "--checkpoint.every", "3"]
+    copies = ["--parallel.expert_slots", "1", "--parallel.replace_experts", "2:3,1,2,0,2,1"]
     runs = {e: tmp_path / f"dp4-ep{e}" for e in (1, 2, 4)}
     for e, out in runs.items():
-        run_train(out, *dp4, "--parallel.ep", str(e), nproc=4)
+        run_train(out, *dp4, "--parallel.ep", str(e), *(copies if e == 2 else []), nproc=4)
     ref = losses(runs[1])
     assert len(ref) == STEPS + 2  # and two validation losses
     for e in (2, 4):
         assert losses(runs[e]) == pytest.approx(ref, abs=BOUND, rel=0)
         check_rows(runs[e], e)
+    moved = [e for r in metrics(runs[2]) for e in r["events"] if e["type"] == "replacement"]
+    # from the start 0,1,2 | 2,3,0: experts 3 and 1 arrive on rank 0, 1 on rank 1
+    assert [e["experts_moved"] for e in moved] == [{f"block{b}": [1, 3] for b in range(4)}]
+    saved = json.loads((runs[2] / "checkpoint-3" / "dynmo.json").read_text())["expert_placement"]
+    assert saved == {f"block{b}": [3, 1, 2, 0, 2, 1] for b in range(4)}
     pp2 = {e: tmp_path / f"pp2-ep{e}" for e in (1, 2)}
     for e, out in pp2.items():
         run_train(out, *GPT_MOE, "--parallel.dp", "2", "--parallel.ep", str(e), nproc=4)
@@ -140,15 +154,17 @@ def test_mixtral_trains_as_without_expert_parallelism_migrates_and_exports(tmp_p
     assert all(x[k].shape == y[k].shape and torch.allclose(x[k], y[k], rtol=0, atol=1e-5) for k in x)
 
 
-def _one_layer(rank: int, world: int, store: str, family: str) -> None:
+def _one_layer(rank: int, world: int, store: str, family: str, slots: int) -> None:
     """One MoE block on `world` gloo processes, each a replica with its own tokens (some
     inactive) and experts dropped by a capacity factor: with its experts spread over the
     processes it gives the whole block's output, and each expert's gradient is the sum over the
-    replicas of the whole block's gradients of that expert."""
+    replicas of the whole block's gradients of that expert. With `slots` extra slots a rank
+    (copies of experts, the start placement) every copy ends with the whole expert's gradient,
+    bitwise the same on each."""
     import torch.distributed as dist
 
     from dynmo.model.layers import LayerSpec, build_layer
-    from dynmo.runtime.experts import ExpertGroup, is_expert_param, localize
+    from dynmo.runtime.experts import ExpertGroup, expert_modules, is_expert_param, local_experts, localize, reduce_copies
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
@@ -156,20 +172,39 @@ def _one_layer(rank: int, world: int, store: str, family: str) -> None:
         cfg = tiny_config("--model.block", "moe", *fam, "--model.moe.num_experts", "4",
                           "--model.moe.capacity_factor", "0.75").model
         whole = build_layer(LayerSpec("t", 1), cfg, seed=3)
-        part = localize(build_layer(LayerSpec("t", 1), cfg, seed=3), ExpertGroup(world, rank, dist.group.WORLD, "gloo"))
+        part = localize(build_layer(LayerSpec("t", 1), cfg, seed=3),
+                        ExpertGroup(world, rank, dist.group.WORLD, "gloo", slots=slots))
         g = torch.Generator().manual_seed(rank)
         x = torch.randn(2, cfg.seq_len, cfg.d_model, generator=g)
         mask = torch.rand(2, cfg.seq_len, generator=g) > 0.2
         w = torch.randn(2, cfg.seq_len, cfg.d_model, generator=g)
+        mod = expert_modules(part)[0]
+        rows = [0] * len(local_experts(mod))  # rows each local slot computed
+        one = mod.one
+
+        def counted(j, xs):
+            rows[j] += xs.shape[0]
+            return one(j, xs)
+
+        mod.one = counted
         outs = []
         for layer in (whole, part):
             y, aux = layer.forward_with_aux(x, mask)
             ((y * w).sum() + aux).backward()
             outs.append(y.detach())
+        reduce_copies({0: part})
         torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-5)
         assert part.last_stats["tokens_per_expert"] == whole.last_stats["tokens_per_expert"]
         assert len(part.last_stats["ep_rank_rows"]) == world
-        k = cfg.moe.num_experts // world
+        mine = local_experts(mod)
+        assert len(mine) == cfg.moe.num_experts // world + slots
+        every_rows = [None] * world
+        dist.all_gather_object(every_rows, rows)
+        per_copy: dict[int, list[int]] = {}
+        for e, n in zip(mod.order, [n for r in every_rows for n in r]):
+            per_copy.setdefault(e, []).append(n)
+        for e, ns in per_copy.items():  # each source splits its rows for a copied expert evenly
+            assert len(ns) == int(mod.copies[e]) and max(ns) - min(ns) <= world, (e, ns)
         for (n, pw), (m, pp) in zip(whole.named_parameters(), part.named_parameters()):
             assert n == m
             if not is_expert_param(n):
@@ -177,15 +212,22 @@ def _one_layer(rank: int, world: int, store: str, family: str) -> None:
                 continue
             summed = pw.grad.clone()
             dist.all_reduce(summed)  # what the replicas' whole blocks give this expert, together
-            assert pp.shape[0] == k
-            torch.testing.assert_close(pp.grad, summed[rank * k : (rank + 1) * k], rtol=0, atol=1e-5)
+            assert pp.shape[0] == len(mine)
+            torch.testing.assert_close(pp.grad, summed[mine], rtol=0, atol=1e-5)
+            every = [torch.empty_like(pp.grad) for _ in range(world)]
+            dist.all_gather(every, pp.grad)
+            for q, theirs in enumerate(every):  # a copied expert's gradient is bitwise the same on every copy
+                ks = len(mine)
+                for j, e in enumerate(mod.order[q * ks:(q + 1) * ks]):
+                    if e in mine:
+                        assert torch.equal(theirs[j], pp.grad[mine.index(e)]), (n, e)
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.dist  # spawns gloo processes: seconds, not milliseconds
-@pytest.mark.parametrize("family,world", [("gpt", 2), ("mixtral", 4)])
-def test_one_block_with_its_experts_spread_equals_the_whole_block(tmp_path, family, world):
+@pytest.mark.parametrize("family,world,slots", [("gpt", 2, 0), ("mixtral", 4, 0), ("gpt", 2, 1), ("mixtral", 4, 2)])
+def test_one_block_with_its_experts_spread_equals_the_whole_block(tmp_path, family, world, slots):
     import torch.multiprocessing as mp
 
-    mp.spawn(_one_layer, args=(world, str(tmp_path / "store"), family), nprocs=world, join=True)
+    mp.spawn(_one_layer, args=(world, str(tmp_path / "store"), family, slots), nprocs=world, join=True)

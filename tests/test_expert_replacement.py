@@ -20,7 +20,8 @@ import torch
 
 from dynmo.checks import parse_replacements, validate
 from dynmo.config import ConfigError
-from dynmo.runtime.experts import contiguous, moved_experts, plan_moves
+from dynmo.balance.experts import check_order, start_order
+from dynmo.runtime.experts import moved_experts, plan_moves
 from tests.conftest import metrics, run_train
 from tests.reference import tiny_config
 from tests.test_expert_parallel import flat, losses
@@ -56,10 +57,56 @@ def test_the_plan_puts_every_expert_in_its_new_slot_and_ships_only_those_whose_r
         assert travel == sorted(e for e in range(experts) if old.index(e) // L != new.index(e) // L)
         for moves in plan.values():  # each pair's rows in destination slot order: both ends agree
             assert [d for _, _, d in moves] == sorted(d for _, _, d in moves)
-    assert plan_moves(contiguous(experts), contiguous(experts), ranks) == {
-        (q, q): [(q * L + j, j, j) for j in range(L)] for q in range(ranks)}
-    with pytest.raises(ValueError, match="not orders of the same experts"):
+    start = start_order(experts, ranks)
+    assert plan_moves(start, start, ranks) == {(q, q): [(q * L + j, j, j) for j in range(L)] for q in range(ranks)}
+    with pytest.raises(ValueError, match="not placements of the same experts"):
         plan_moves(list(range(experts)), [0] * experts, ranks)
+
+
+def _random_order(rnd: random.Random, experts: int, ranks: int, slots: int) -> list[int]:
+    """A random placement with `slots` extra slots a rank: every expert once, then copies."""
+    perm = list(range(experts))
+    rnd.shuffle(perm)
+    L = experts // ranks
+    out = []
+    for q in range(ranks):
+        mine = perm[q * L:(q + 1) * L]
+        mine += rnd.sample([e for e in range(experts) if e not in mine], slots)
+        rnd.shuffle(mine)
+        out += mine
+    return out
+
+
+@pytest.mark.parametrize("experts,ranks,slots", [(4, 2, 1), (4, 2, 2), (8, 4, 1), (8, 4, 3), (12, 3, 2), (6, 6, 1)])
+def test_with_copies_the_plan_fills_every_slot_from_a_holder_and_ships_only_arrivals(experts, ranks, slots):
+    rnd = random.Random(experts * 1000 + ranks * 10 + slots)
+    K = experts // ranks + slots
+    start = start_order(experts, ranks, slots)
+    assert check_order(start, experts, ranks) == start and len(start) == ranks * K
+    for _ in range(200):
+        old, new = _random_order(rnd, experts, ranks, slots), _random_order(rnd, experts, ranks, slots)
+        assert check_order(old, experts, ranks) == tuple(old)
+        plan = plan_moves(old, new, ranks)
+        rows = [old[q * K:(q + 1) * K] for q in range(ranks)]
+        assert _apply(rows, plan, ranks) == [new[q * K:(q + 1) * K] for q in range(ranks)]
+        arrive = {e for q in range(ranks) for e in new[q * K:(q + 1) * K] if e not in old[q * K:(q + 1) * K]}
+        assert moved_experts(old, new, ranks) == sorted(arrive)
+        shipped = [(e, b) for (a, b), m in plan.items() if a != b for e, _, _ in m]
+        assert len(shipped) == len(set(shipped)) == sum(
+            len(set(new[q * K:(q + 1) * K]) - set(old[q * K:(q + 1) * K])) for q in range(ranks))
+    with pytest.raises(ValueError, match="give a rank"):
+        plan_moves(start, start_order(experts, ranks), ranks) if slots else None
+
+
+@pytest.mark.parametrize("order,message", [
+    ([0, 1, 1, 2, 3, 3], "puts an expert twice on rank 0"),
+    ([0, 1, 2, 0, 1, 2], "must hold every expert 0..3"),
+    ([0, 1, 2, 3, 0], "give 2 ranks the same number of slots"),
+    ([0, 1, 2, 3, 4, 0], "must hold every expert 0..3"),
+])
+def test_bad_placements_with_copies_are_named(order, message):
+    with pytest.raises(ValueError, match=message):
+        check_order(order, 4, 2)
 
 
 # ---- the knob ---------------------------------------------------------------------------------
@@ -69,8 +116,12 @@ MOE = ["--model.block", "moe", "--model.moe.num_experts", "4", "--parallel.dp", 
 
 @pytest.mark.parametrize("args,message", [
     (["--parallel.replace_experts", "2:1,0,3,2"], "parallel.ep = 1: use parallel.ep > 1"),
-    (["--parallel.ep", "2", "--parallel.replace_experts", "2:1,0,3,3"], "is not a permutation of the experts 0..3"),
-    (["--parallel.ep", "2", "--parallel.replace_experts", "2:1,0,3"], "3 experts listed, the model has moe.num_experts = 4"),
+    (["--parallel.ep", "2", "--parallel.replace_experts", "2:1,0,3,3"], "must hold every expert 0..3, and no other"),
+    (["--parallel.ep", "2", "--parallel.replace_experts", "2:1,0,3"], "3 experts listed; the ranks hold 4 (moe.num_experts = 4)"),
+    (["--parallel.ep", "2", "--parallel.expert_slots", "1", "--parallel.replace_experts", "2:1,0,3,2"],
+     "4 experts listed; the ranks hold 6 (moe.num_experts = 4 and parallel.expert_slots = 1)"),
+    (["--parallel.ep", "2", "--parallel.expert_slots", "1", "--parallel.replace_experts", "2:1,0,0,3,2,1"],
+     "puts an expert twice on rank 0"),
     (["--parallel.ep", "2", "--parallel.replace_experts", "2:1,0,3,2,4"], "5 experts listed"),
     (["--parallel.ep", "2", "--parallel.replace_experts", "9:1,0,3,2"], "step 9 is not a step of the run (steps 0..4"),
     (["--parallel.ep", "2", "--parallel.replace_experts", "-1:1,0,3,2"], "step -1 is not a step of the run"),
@@ -97,12 +148,12 @@ def test_the_launcher_refuses_a_bad_one_in_one_line_before_work(tmp_path):
     from tests.test_bad_input import assert_rejected, dynmo_train
 
     p, _ = dynmo_train(tmp_path, *MOE, "--parallel.ep", "2", "--parallel.replace_experts", "1:0,0,1,2", nproc=2)
-    assert_rejected(p, tmp_path, "is not a permutation of the experts 0..3")
+    assert_rejected(p, tmp_path, "must hold every expert 0..3, and no other")
 
 
 # ---- the exchange, on spawned gloo processes ---------------------------------------------------
 
-def _exchange(rank: int, world: int, store: str) -> None:
+def _exchange(rank: int, world: int, store: str, slots: int) -> None:
     """One MoE block, experts spread over `world` processes, trained one AdamW step so it has
     state; then a series of random re-placements: after each, every rank's rows of every weight,
     gradient and AdamW moment are the whole tensor's rows of the experts it now holds, the step
@@ -112,18 +163,19 @@ def _exchange(rank: int, world: int, store: str) -> None:
 
     from dynmo.model.layers import LayerSpec, build_layer
     from dynmo.runtime.experts import (ExpertGroup, apply_placement, expert_modules, is_expert_param, local_experts,
-                                       localize, whole)
+                                       localize, reduce_copies, whole)
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         cfg = tiny_config("--model.block", "moe", "--model.moe.num_experts", "8").model
-        ep = ExpertGroup(world, rank, dist.group.WORLD, "gloo")
+        ep = ExpertGroup(world, rank, dist.group.WORLD, "gloo", slots=slots)
         layer = localize(build_layer(LayerSpec("t", 1), cfg, seed=3), ep, "block0")
         opt = torch.optim.AdamW(layer.parameters(), lr=1e-2)
         g = torch.Generator().manual_seed(rank)
         x = torch.randn(2, cfg.seq_len, cfg.d_model, generator=g)
         y, aux = layer.forward_with_aux(x, torch.ones(2, cfg.seq_len, dtype=torch.bool))
         (y.square().mean() + aux).backward()
+        reduce_copies({1: layer})  # copies: the same gradient, so the same AdamW step
         opt.step()  # state: step 1, moments
         for p in layer.parameters():
             if p.grad is not None:
@@ -137,15 +189,15 @@ def _exchange(rank: int, world: int, store: str) -> None:
         ref = {(n, k): whole(layer, n, t).clone() for n, p in named.items() for k, t in tensors(n, p).items()}
         ids = {n: id(p) for n, p in named.items()}
         rnd = random.Random(11)
+        K = 8 // world + slots
         for _ in range(6):
-            order = list(range(8))
-            rnd.shuffle(order)
+            order = _random_order(rnd, 8, world, slots)
             dist.broadcast_object_list(obj := [order], src=0)
             got = apply_placement({1: layer}, {1: "block0"}, opt, ep, {"block0": tuple(obj[0])})
             (mod,) = expert_modules(layer)
             assert mod.order == tuple(obj[0]) and ep.orders["block0"] == tuple(obj[0])
             mine = local_experts(mod)
-            assert mine == obj[0][rank * (8 // world):(rank + 1) * (8 // world)]
+            assert mine == obj[0][rank * K:(rank + 1) * K]
             assert got >= 0
             for n, p in layer.named_parameters():
                 if n not in named:
@@ -159,11 +211,11 @@ def _exchange(rank: int, world: int, store: str) -> None:
 
 
 @pytest.mark.dist  # spawns gloo processes: seconds, not milliseconds
-@pytest.mark.parametrize("world", [2, 4])
-def test_moving_experts_carries_their_weights_gradients_and_adamw_state(tmp_path, world):
+@pytest.mark.parametrize("world,slots", [(2, 0), (4, 0), (4, 1)])
+def test_moving_experts_carries_their_weights_gradients_and_adamw_state(tmp_path, world, slots):
     import torch.multiprocessing as mp
 
-    mp.spawn(_exchange, args=(world, str(tmp_path / "store")), nprocs=world, join=True)
+    mp.spawn(_exchange, args=(world, str(tmp_path / "store"), slots), nprocs=world, join=True)
 
 
 # ---- end to end -------------------------------------------------------------------------------
@@ -280,6 +332,35 @@ def test_auto_keeps_the_placement_under_balanced_noisy_routing_or_when_the_move_
     for rec in _records(lambda k: [100, 90, 10, 5], 10):
         eb.observe(rec)
     assert eb.decide(10, {"block0": (0, 3, 1, 2)}, 100) == {}
+
+
+def test_auto_copies_one_hot_expert_into_the_extra_slots_which_no_renaming_can_spread():
+    """4 experts on 2 ranks, one slot more each (`parallel.expert_slots = 1`), one expert taking
+    most tokens: without copies the rank holding it carries it whole whatever the placement; with
+    copies the balancer puts it on both ranks (each copy half its tokens), every slot filled."""
+    from dynmo.balance.experts import check_order, start_order
+    from dynmo.controller.experts import busiest
+
+    rnd = random.Random(3)
+    one_hot = lambda k: [300 + rnd.uniform(-10, 10), 30, 20 + rnd.uniform(-2, 2), 10]  # noqa: E731
+    recs = _records(one_hot, 10)
+    plain, copying = _balancer(), _balancer(extra_slots=1)
+    for rec in recs:
+        plain.observe(rec)
+        copying.observe(rec)
+    start = start_order(4, 2, 1)
+    assert start == (0, 1, 2, 2, 3, 0)  # the start already copies experts 2 and 0
+    # from a placement that holds the hot expert once, beside another expert
+    new = copying.decide(10, {"block0": (0, 1, 3, 2, 3, 1)}, 100)["block0"]
+    assert check_order(new, 4, 2) == new and len(new) == 6
+    assert 0 in new[:3] and 0 in new[3:]  # the hot expert on both ranks
+    mean = [300.0, 30.0, 20.0, 10.0]
+    # 0 split 150 | 150, 1 and 2 apart, the last slot a copy of 3 (every slot is filled): 185 | 175,
+    # the best a full set of slots allows (an empty slot would give 180 | 180)
+    assert busiest(new, mean, 2) == pytest.approx(185.0) and busiest((0, 1, 3, 2, 3, 1), mean, 2) == 320.0
+    # without slots nothing helps: 0 carries 300 wherever it is, and the rest fit beside it
+    assert plain.decide(10, {"block0": (0, 1, 2, 3)}, 100) == {} or busiest(
+        plain.decide(10, {"block0": (0, 1, 2, 3)}, 100)["block0"], mean, 2) >= 300
 
 
 def test_scored_by_step_time_a_layer_off_the_critical_path_keeps_its_experts():

@@ -9,8 +9,11 @@ and a newer half that judges (a placement chosen on the steps that judge it woul
 noise alone):
 
   propose   `dynmo.balance.experts.place_experts` on the mean tokens per expert of the older
-            half (`moe_tokens_per_expert`), no copies; its ranks renamed (`align`) so the fewest
-            experts move from the current placement.
+            half (`moe_tokens_per_expert`); with `extra_slots` (`parallel.expert_slots`) it may
+            copy hot experts into them (a copy takes an even share of its expert's tokens) and
+            slots it leaves free are filled with the copies that cost least (`fill_slots`: the
+            runtime holds a full set of rows on every rank); its ranks renamed (`align`) so the
+            fewest experts move from the current placement.
   gains     per newer step k, the relative saving of the proposal on that step's own routing
             (`evidence.gains`), scored one of two ways:
             - with `step_times` (the trainer and the replay pass it: one decision with the layer
@@ -43,7 +46,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from dynmo.balance.experts import Placement, align, move_cost, place_experts
+from dynmo.balance.experts import (Placement, align, fill_slots, move_cost, order_placement, place_experts,
+                                   placement_order, start_order)
 from dynmo.controller import evidence, migration
 from dynmo.record import StepRecord
 
@@ -54,20 +58,18 @@ StepTimes = Callable[[list[list[float]]], list[float]]
 
 
 def placement_of(order: tuple[int, ...] | list[int], ranks: int) -> Placement:
-    """An order of the experts (rank by rank, slot by slot) as the solver's `Placement`."""
-    L = len(order) // ranks
-    where = {e: p // L for p, e in enumerate(order)}
-    return Placement(tuple((where[e],) for e in range(len(order))), tuple((1.0,) for _ in order), ranks)
+    """An order of the experts (rank by rank, slot by slot; an expert on several ranks is
+    copied, each copy taking an even share of its tokens) as the solver's `Placement`."""
+    return order_placement(order, ranks)
 
 
 def order_of(p: Placement) -> tuple[int, ...]:
-    """The solver's placement (no copies) as an order of the experts, rank by rank."""
-    return tuple(e for rank in p.rank_experts() for e in rank)
+    """The solver's placement (every rank as many experts) as an order of the experts, rank by rank."""
+    return placement_order(p)
 
 
 def busiest(order, loads, ranks: int) -> float:
-    L = len(order) // ranks
-    return max(sum(loads[e] for e in order[q * L:(q + 1) * L]) for q in range(ranks))
+    return order_placement(order, ranks).busiest(loads)
 
 
 @dataclass
@@ -76,6 +78,7 @@ class ExpertBalancer:
     groups: int  # expert-parallel groups per pipeline position: dp / ep (each moves the same bytes)
     names: list[str]  # per placement unit: the model layer's name (what placements are keyed by)
     expert_bytes: float  # bytes one expert ships: weights and both AdamW moments
+    extra_slots: int = 0  # parallel.expert_slots: slots per rank beyond N / ranks, for copies of hot experts
     every: int = 5
     window: int = 3
     min_gain: float = 0.01
@@ -136,16 +139,17 @@ class ExpertBalancer:
             steps = hist[-evidence.EVIDENCE_STEPS:]
             choose, judge = steps[: len(steps) // 2], steps[len(steps) // 2:]
             n = len(steps[0])
-            current = tuple(orders.get(name) or range(n))
+            current = tuple(orders.get(name) or start_order(n, self.ranks, self.extra_slots))
             mean = [sum(s[e] for s in choose) / len(choose) for e in range(n)]
             if sum(mean) <= 0:
                 continue
-            proposal = place_experts(mean, self.ranks).placement
+            S = self.extra_slots
+            proposal = fill_slots(place_experts(mean, self.ranks, extra_slots=S, copies=self.ranks * S).placement,
+                                  mean, S)
             now = placement_of(current, self.ranks)
             proposal = align(now, proposal, self.expert_bytes)
             new = order_of(proposal)
-            if {frozenset(current[q * (n // self.ranks):(q + 1) * (n // self.ranks)]) for q in range(self.ranks)} == \
-                    {frozenset(r) for r in proposal.rank_experts()}:
+            if {frozenset(r) for r in now.rank_experts()} == {frozenset(r) for r in proposal.rank_experts()}:
                 continue  # the same experts together: nothing to gain
             ratios = [busiest(new, s, self.ranks) / b if (b := busiest(current, s, self.ranks)) > 0 else 1.0
                       for s in judge]

@@ -23,9 +23,10 @@ Only active tokens (mask True) are routed; inactive ones get no MLP update.
 
 Expert parallelism (`parallel.ep` = P > 1, set up by `dynmo.runtime.experts`): the experts
 module then holds only its rank's num_experts/P experts (rows of the stacked weights) and an
-`ep` handle (its expert-parallel group) and a placement (`order`, `position`: which rank and
-slot holds each expert). Routing stays per replica as above; the kept assignments, sorted by
-their expert's position, go to the rank holding their expert by one all-to-all, each
+`ep` handle (its expert-parallel group) and a placement (`order`, `holders`: which ranks and
+slots hold each expert; a hot expert may have copies on several ranks, which share its tokens).
+Routing stays per replica as above; the kept assignments, sorted by their copy's position, go
+to the rank holding it by one all-to-all, each
 rank computes its local experts on exactly the rows it received (a loop over its local
 experts, one matmul each: no padding), and the outputs come back by the reverse all-to-all
 and are gate-weighted and summed as without it. Why no padding here: across ranks the layer
@@ -173,34 +174,47 @@ def dispatch(x: torch.Tensor, r: Routing, experts: nn.Module, num_experts: int) 
 
 def dispatch_ep(x: torch.Tensor, r: Routing, experts: nn.Module, num_experts: int) -> tuple[torch.Tensor, list[int]]:
     """Expert parallelism (see the module docstring): the kept assignments go to the ranks of
-    their experts by all-to-all (`experts.ep`: the group's handle; `experts.position[e]`: where
-    expert e sits in the group, rank * L + slot, under the layer's placement), each rank runs
-    its local experts exactly on the rows it received, and the outputs come back the same way.
-    Returns the gate-weighted sum [N, D] and the rows each rank of the group computed.
+    their experts by all-to-all (`experts.ep`: the group's handle; `experts.holders[e]`: where
+    the copies of expert e sit in the group, rank * K + slot, under the layer's placement), each
+    rank runs its local experts exactly on the rows it received, and the outputs come back the
+    same way. Returns the gate-weighted sum [N, D] and the rows each rank of the group computed.
 
-    Which rank holds an expert does not change its numbers: an expert gets the same rows in the
-    same order (by source rank, then in routing order) wherever it sits, and the outputs are
-    summed per token in routing order, as in `dispatch`."""
+    An expert with c copies: this replica's assignments to it, in routing order, are cut into c
+    runs of equal length (within one), the j-th run to its j-th copy. Which rank holds an expert
+    does not change its numbers: an expert gets the same rows in the same order (by source rank,
+    then in routing order) wherever it sits, and the outputs are summed per token in routing
+    order, as in `dispatch`."""
     ep = experts.ep
-    P, E = ep.size, num_experts
-    L = E // P
-    where = experts.position.to(r.expert.device)[r.expert]  # rank * L + slot of each kept assignment
+    P = ep.size
+    K = len(experts.order) // P  # slots a rank
+    holders = experts.holders.to(r.expert.device)
+    copies = experts.copies.to(r.expert.device)
+    if int(copies.max()) == 1:
+        where = holders[r.expert, 0]  # rank * K + slot of each kept assignment
+    else:
+        per = torch.bincount(r.expert, minlength=num_experts)  # this replica's assignments per expert
+        by = torch.argsort(r.expert, stable=True)
+        first = torch.cumsum(per, 0) - per
+        nth = torch.empty_like(r.expert)
+        nth[by] = torch.arange(r.expert.numel(), device=r.expert.device) - first[r.expert[by]]
+        run = nth * copies[r.expert] // per[r.expert].clamp(min=1)  # which copy: equal runs in routing order
+        where = holders[r.expert, run]
     order = torch.argsort(where, stable=True)  # by destination rank, then slot, then routing order
     token = r.token[order]
-    counts = torch.bincount(where, minlength=E)  # this replica's kept assignments per position
-    table = ep.gather_counts(counts)  # [P, E]: every rank's, the same on all of them
-    send = counts.view(P, L).sum(1).tolist()
-    mine = table[:, ep.rank * L : (ep.rank + 1) * L]  # [P, L]: rows from each source per local slot
+    counts = torch.bincount(where, minlength=P * K)  # this replica's kept assignments per position
+    table = ep.gather_counts(counts)  # [P, P * K]: every rank's, the same on all of them
+    send = counts.view(P, K).sum(1).tolist()
+    mine = table[:, ep.rank * K : (ep.rank + 1) * K]  # [P, K]: rows from each source per local slot
     recv = mine.sum(1).tolist()
     xs = ep.all_to_all(x[token], send, recv)  # by source rank, then local slot
-    local = torch.repeat_interleave(torch.arange(L).repeat(P), mine.reshape(-1)).to(x.device)
-    rows = [(local == j).nonzero().squeeze(1) for j in range(L)]
-    ys = [experts.one(j, xs[rows[j]]) for j in range(L)]
+    local = torch.repeat_interleave(torch.arange(K).repeat(P), mine.reshape(-1)).to(x.device)
+    rows = [(local == j).nonzero().squeeze(1) for j in range(K)]
+    ys = [experts.one(j, xs[rows[j]]) for j in range(K)]
     y = ys[0].new_zeros(xs.shape[0], ys[0].shape[1]).index_copy(0, torch.cat(rows), torch.cat(ys))
     back = ep.all_to_all(y, recv, send)  # in the order the rows were sent
     back = back.new_empty(back.shape).index_copy(0, order, back)  # routing order again
     out = back * r.weight[:, None]  # promoted as in `dispatch`
-    per_rank = table.view(P, P, L).sum(dim=(0, 2)).tolist()
+    per_rank = table.view(P, P, K).sum(dim=(0, 2)).tolist()
     return out.new_zeros(x.shape).index_add(0, r.token, out), per_rank
 
 

@@ -71,7 +71,7 @@ def _state_dict(pipe: Pipeline, with_optim: bool, loading: bool = False) -> tupl
         if not experts.is_held(layer, pname, v):
             sd.setdefault(key, v)
         elif loading:
-            full = v.new_empty((v.shape[0] * pipe.ctx.ep, *v.shape[1:]))
+            full = v.new_empty(experts.whole_shape(layer, pname, v))
             if key not in sd:
                 sd[key] = full
                 after.append((layer, pname, full, v))
@@ -99,11 +99,12 @@ def _scatter(after: list) -> None:
 
 
 def placements(pipe: Pipeline) -> dict[str, list[int]]:
-    """Every MoE layer's expert placement that is not the contiguous one ({} without expert
-    parallelism), the same on every rank."""
+    """Every MoE layer's expert placement that is not the one it started from ({} without
+    expert parallelism), the same on every rank."""
     if pipe.ep is None:
         return {}
-    return {k: list(v) for k, v in sorted(pipe.ep.orders.items()) if list(v) != sorted(v)}
+    n = pipe.cfg.model.moe.num_experts
+    return {k: list(v) for k, v in sorted(pipe.ep.orders.items()) if tuple(v) != pipe.ep.start(n)}
 
 
 def _fill_tied_copy(pipe: Pipeline) -> None:
@@ -259,18 +260,29 @@ def read_meta(path: Path) -> dict:
 
 def restore_placement(pipe: Pipeline, saved: dict[str, list[int]]) -> None:
     """The saved expert placements become this run's (before the weights load, so each rank's
-    rows are those of its experts under them). A placement is an order of the experts, valid
-    under any `parallel.ep` that divides their number; without expert parallelism there is none
-    to restore (every rank holds every expert)."""
+    rows are those of its experts under them). A placement without copies is valid under any
+    `parallel.ep` that divides the experts' number and no `parallel.expert_slots`; one that does
+    not fit this run's ranks and slots (saved under others) gives way to the start placement,
+    which moves no weight (the checkpoint holds every expert whole). Without expert parallelism
+    there is none to restore (every rank holds every expert)."""
     if pipe.ep is None or not saved:
         return
+    n, size = pipe.cfg.model.moe.num_experts, pipe.ep.size
+    fits = {}
+    for name, order in saved.items():
+        try:
+            order = experts.check_order(order, n, size)
+        except ValueError:
+            continue
+        if len(order) == len(pipe.ep.start(n)):
+            fits[name] = order
     for i, layer in pipe.layers.items():
         name = pipe.specs[i].prefix
-        if name in saved:
+        if name in fits:
             for mod in experts.expert_modules(layer):
                 if getattr(mod, "ep", None) is not None:
-                    experts.set_order(mod, experts.check_order(saved[name], len(mod.order), pipe.ep.size))
-    pipe.ep.orders.update({k: tuple(v) for k, v in saved.items()})
+                    experts.set_order(mod, fits[name])
+    pipe.ep.orders.update(fits)
 
 
 def load(pipe: Pipeline, path: Path) -> int:

@@ -4,27 +4,34 @@ consecutive replicas; `dynmo.runtime.dist` makes the groups).
 
 A layer is built whole, as without expert parallelism (same seeds, same weights), and then
 keeps only this rank's experts as rows of the stacked expert weights (`localize`). Which rank
-holds which expert is the layer's *placement*: an order of the num_experts experts, read rank
-by rank and slot by slot, so rank q holds experts order[q*L .. (q+1)*L - 1] (L = num_experts /
-P) as its rows 0 .. L-1. The start is the contiguous order 0, 1, ..., N-1; `apply_placement`
-moves experts to another order while training (every rank keeps L experts; no copies). The
+holds which expert is the layer's *placement*: an order of the experts read rank by rank and
+slot by slot, K = num_experts / P + S slots a rank (S = `parallel.expert_slots`), so rank q
+holds experts order[q*K .. (q+1)*K - 1] as its rows 0 .. K-1. With S > 0 some experts sit on
+several ranks: *copies* of hot experts, which share that expert's tokens evenly (each source
+replica splits its tokens for the expert into equal runs, one per copy, in routing order);
+every expert is held somewhere and no rank holds one twice (`dynmo.balance.experts.check_order`).
+The start is `dynmo.balance.experts.start_order` (contiguous, the extra slots holding the
+experts that follow); `apply_placement` moves experts to another order while training. The
 group's handle (`ExpertGroup`, the experts module's `ep` attribute) holds every MoE layer's
 order by layer name, the same on every rank; the experts module keeps its own order and each
-expert's position (`order`, `position`), through which the model's MoE forward
+expert's holders (`order`, `holders`, `copies`), through which the model's MoE forward
 (`dynmo.model.moe.dispatch_ep`) routes tokens by all-to-all; the model never imports the
 runtime.
 
-Gradients: an expert's gradient on its rank already sums the contributions of the P replicas
-of its group (the all-to-all's backward brought them back); `grads.sync_data_parallel` sums it
-over the dp/P replicas that hold the same experts and divides by dp, so the update is the mean
-over the replicas, as without expert parallelism. Every other gradient is averaged over the
-whole data-parallel group as before.
+Gradients: an expert's gradient on its rank already sums the contributions of the rows it
+computed (the all-to-all's backward brought them back); the copies of an expert first sum their
+gradients over the group (`reduce_copies`: every copy then holds the whole expert's gradient,
+bitwise the same, so the copies take the same AdamW step and stay equal);
+`grads.sync_data_parallel` then sums it over the dp/P replicas that hold the same experts and
+divides by dp, so the update is the mean over the replicas, as without expert parallelism.
+Every other gradient is averaged over the whole data-parallel group as before. The gradient
+norm counts each expert once (its first holder's rows, `first_rows`).
 
 Checkpoints store each expert parameter (and its AdamW state) whole, under the whole tensor's
-key, with the experts in index order (`whole`: gathered over the group by index, whatever the
-placement), and a load scatters each rank's rows back from it (`scatter`): a checkpoint
-resumes under any `parallel.ep` and placement, and `dynmo export` reads the same keys as
-without expert parallelism.
+key, with the experts in index order (`whole`: gathered over the group, each expert from its
+first holder, whatever the placement), and a load scatters each rank's rows back from it
+(`scatter`): a checkpoint resumes under any `parallel.ep` and `parallel.expert_slots`, and
+`dynmo export` reads the same keys as without expert parallelism.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from dynmo.balance.experts import check_order, start_order
 from dynmo.runtime.dist import DistContext
 
 
@@ -74,8 +82,9 @@ class ExpertGroup:
     every rank's per-expert counts, and an autograd all-to-all."""
 
     def __init__(self, size: int, rank: int, group: dist.ProcessGroup, backend: str,
-                 orders: dict[str, tuple[int, ...]] | None = None):
+                 orders: dict[str, tuple[int, ...]] | None = None, slots: int = 0):
         self.size, self.rank, self.group = size, rank, group
+        self.slots = slots  # parallel.expert_slots: slots a rank has beyond num_experts / size
         self.wire = torch.float32 if backend == "gloo" else None
         # every MoE layer's placement by layer name (absent: the contiguous one), the same on all ranks
         self.orders: dict[str, tuple[int, ...]] = dict(orders or {})
@@ -89,43 +98,55 @@ class ExpertGroup:
     def all_to_all(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
         return _AllToAll.apply(x, send, recv, self.group, self.wire)
 
+    def start(self, num_experts: int) -> tuple[int, ...]:
+        """The placement a layer starts from (`dynmo.balance.experts.start_order`)."""
+        return start_order(num_experts, self.size, self.slots)
 
-def group_of(ctx: DistContext, orders: dict[str, tuple[int, ...]] | None = None) -> ExpertGroup | None:
-    """This rank's expert-parallel handle (holding the placements `orders`), or None without
-    expert parallelism."""
+    def order(self, name: str, num_experts: int) -> tuple[int, ...]:
+        """Layer `name`'s placement now."""
+        return self.orders.get(name) or self.start(num_experts)
+
+
+def group_of(ctx: DistContext, orders: dict[str, tuple[int, ...]] | None = None, slots: int = 0) -> ExpertGroup | None:
+    """This rank's expert-parallel handle (holding the placements `orders`; `slots` extra slots a
+    rank), or None without expert parallelism."""
     if ctx.ep <= 1:
         return None
-    return ExpertGroup(ctx.ep, ctx.ep_rank, ctx.ep_group, ctx.backend, orders)
-
-
-def contiguous(num_experts: int) -> tuple[int, ...]:
-    """The starting placement: rank q holds experts q*L .. (q+1)*L - 1."""
-    return tuple(range(num_experts))
-
-
-def check_order(order, num_experts: int, ranks: int) -> tuple[int, ...]:
-    """`order` as a placement of `num_experts` experts over `ranks` ranks, or ValueError."""
-    order = tuple(int(e) for e in order)
-    if sorted(order) != list(range(num_experts)):
-        raise ValueError(f"placement {list(order)} is not an order of the {num_experts} experts 0..{num_experts - 1}")
-    if num_experts % ranks:
-        raise ValueError(f"{num_experts} experts do not divide over {ranks} ranks")
-    return order
+    return ExpertGroup(ctx.ep, ctx.ep_rank, ctx.ep_group, ctx.backend, orders, slots)
 
 
 def set_order(mod: nn.Module, order: tuple[int, ...]) -> None:
     """Record an experts module's placement (its rows must be, or be about to become, those of
-    its rank under it)."""
-    mod.order = order
-    pos = torch.empty(len(order), dtype=torch.long)
-    pos[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
-    mod.position = pos  # expert -> its position (rank * L + slot) in the group
+    its rank under it): per expert, the positions (rank * K + slot) of its copies in order
+    (`holders`, padded with -1) and how many (`copies`)."""
+    mod.order = tuple(order)
+    n = len(set(order))
+    where: list[list[int]] = [[] for _ in range(n)]
+    for p, e in enumerate(order):
+        where[e].append(p)
+    most = max(len(w) for w in where)
+    mod.holders = torch.tensor([w + [-1] * (most - len(w)) for w in where], dtype=torch.long)
+    mod.copies = torch.tensor([len(w) for w in where], dtype=torch.long)
+
+
+def num_experts(mod: nn.Module) -> int:
+    """The experts of a localized experts module's layer (all ranks together)."""
+    return int(mod.copies.numel())
 
 
 def local_experts(mod: nn.Module) -> list[int]:
     """The experts a localized experts module holds, row by row."""
-    L = len(mod.order) // mod.ep.size
-    return list(mod.order[mod.ep.rank * L : (mod.ep.rank + 1) * L])
+    K = len(mod.order) // mod.ep.size
+    return list(mod.order[mod.ep.rank * K : (mod.ep.rank + 1) * K])
+
+
+def first_rows(mod: nn.Module) -> tuple[list[int], list[int]]:
+    """(rows, experts): this rank's rows that hold their expert's first copy, and those experts
+    (so that a sum over the group counts every expert once)."""
+    K = len(mod.order) // mod.ep.size
+    base = mod.ep.rank * K
+    rows = [j for j in range(K) if int(mod.holders[mod.order[base + j], 0]) == base + j]
+    return rows, [mod.order[base + j] for j in rows]
 
 
 def localize(layer: nn.Module, ep: ExpertGroup | None, name: str | None = None) -> nn.Module:
@@ -143,8 +164,8 @@ def localize(layer: nn.Module, ep: ExpertGroup | None, name: str | None = None) 
                 n = p.shape[0]
                 if n % ep.size:
                     raise ValueError(f"{n} experts do not divide over parallel.ep={ep.size} ranks")
-                order = ep.orders.get(name, contiguous(n)) if order is None else order
-                k = n // ep.size
+                order = ep.order(name, n) if order is None else order
+                k = len(order) // ep.size
                 keep = torch.tensor(order[ep.rank * k : (ep.rank + 1) * k], device=p.device)
                 rows = p.detach().index_select(0, keep).clone()
                 setattr(sub, pname, nn.Parameter(rows, requires_grad=p.requires_grad))
@@ -181,8 +202,8 @@ def module_of(layer: nn.Module, pname: str) -> nn.Module:
 
 def whole(layer: nn.Module, name: str, value: torch.Tensor) -> torch.Tensor:
     """The whole tensor, experts in index order, of `value` (this rank's rows of expert
-    parameter `name` of `layer`, or of its AdamW state): gathered over the expert-parallel group
-    and put in place by expert index. Collective over the group; every rank gets the same
+    parameter `name` of `layer`, or of its AdamW state): gathered over the expert-parallel group,
+    each expert from its first copy. Collective over the group; every rank gets the same
     tensor. Anything that is not an expert parameter's rows comes back as it is."""
     mod = _held(layer, name, value)
     if mod is None:
@@ -190,9 +211,12 @@ def whole(layer: nn.Module, name: str, value: torch.Tensor) -> torch.Tensor:
     ep = mod.ep
     parts = [torch.empty_like(value) for _ in range(ep.size)]
     dist.all_gather(parts, value.contiguous(), group=ep.group)
-    out = value.new_empty((value.shape[0] * ep.size, *value.shape[1:]))
-    out[torch.tensor(mod.order, device=value.device)] = torch.cat(parts)
-    return out
+    return torch.cat(parts).index_select(0, mod.holders[:, 0].to(value.device))
+
+
+def whole_shape(layer: nn.Module, name: str, value: torch.Tensor) -> tuple[int, ...]:
+    """The shape `whole` gives for `value` (this rank's rows of an expert parameter)."""
+    return (num_experts(_held(layer, name, value)), *value.shape[1:])
 
 
 def scatter(layer: nn.Module, name: str, full: torch.Tensor, value: torch.Tensor) -> None:
@@ -219,26 +243,32 @@ def is_held(layer: nn.Module, name: str, value: torch.Tensor) -> bool:
 
 def plan_moves(old, new, ranks: int) -> dict[tuple[int, int], list[tuple[int, int, int]]]:
     """Which rows go where when a layer's placement changes from `old` to `new` (orders of the
-    experts, rank by rank, slot by slot): {(source rank, destination rank): [(expert, source
-    slot, destination slot), ...]}, each list in destination slot order. Pairs with source =
-    destination are the experts that stay on their rank (maybe in another slot); every other
-    pair's experts travel. Pure; the same on every rank."""
+    experts, rank by rank, slot by slot; an expert may have copies): {(source rank, destination
+    rank): [(expert, source slot, destination slot), ...]}, each list in destination slot order.
+    A destination that already holds the expert keeps its row (source = destination, maybe
+    another slot); any other copy comes from the expert's first holder under `old` (copies are
+    equal). Pure; the same on every rank."""
     old, new = tuple(old), tuple(new)
-    if sorted(old) != sorted(new) or len(set(old)) != len(old):
-        raise ValueError(f"placements {list(old)} and {list(new)} are not orders of the same experts")
-    L = len(old) // ranks
-    where = {e: divmod(p, L) for p, e in enumerate(old)}
+    if set(old) != set(new) or len(old) % ranks or len(new) % ranks:
+        raise ValueError(f"placements {list(old)} and {list(new)} are not placements of the same experts")
+    ko, kn = len(old) // ranks, len(new) // ranks
+    if ko != kn:
+        raise ValueError(f"placements {list(old)} and {list(new)} give a rank {ko} and {kn} slots")
+    held: dict[int, dict[int, int]] = {}  # expert -> {rank: slot} under old
+    for p, e in enumerate(old):
+        held.setdefault(e, {}).setdefault(p // ko, p % ko)
     out: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
     for p, e in enumerate(new):
-        dst, dslot = divmod(p, L)
-        src, sslot = where[e]
-        out.setdefault((src, dst), []).append((e, sslot, dslot))
+        dst, dslot = divmod(p, kn)
+        src = dst if dst in held[e] else min(held[e])
+        out.setdefault((src, dst), []).append((e, held[e][src], dslot))
     return out
 
 
 def moved_experts(old, new, ranks: int) -> list[int]:
-    """The experts whose rank changes between placements `old` and `new`."""
-    return sorted(e for (a, b), rows in plan_moves(old, new, ranks).items() if a != b for e, _, _ in rows)
+    """The experts that arrive on a rank that did not hold them between placements `old` and `new`
+    (once each, however many ranks they arrive on)."""
+    return sorted({e for (a, b), rows in plan_moves(old, new, ranks).items() if a != b for e, _, _ in rows})
 
 
 def apply_placement(layers: dict[int, nn.Module], names: dict[int, str], optimizer, ep: ExpertGroup,
@@ -262,7 +292,10 @@ def apply_placement(layers: dict[int, nn.Module], names: dict[int, str], optimiz
         for mod in expert_modules(layers[i]):
             if getattr(mod, "ep", None) is None:
                 continue
-            order = check_order(new[name], len(mod.order), ep.size)
+            order = check_order(new[name], num_experts(mod), ep.size)
+            if len(order) != len(mod.order):
+                raise ValueError(f"placement {list(order)} of {name} gives a rank {len(order) // ep.size} slots; it has "
+                                 f"{len(mod.order) // ep.size} (parallel.expert_slots)")
             plan = plan_moves(mod.order, order, ep.size)
             for pname, p in mod.named_parameters():
                 st = state.get(p)
@@ -325,3 +358,46 @@ def apply_placement(layers: dict[int, nn.Module], names: dict[int, str], optimiz
         set_order(mod, order)
     ep.orders.update({n: tuple(o) for n, o in new.items()})  # every layer's, held here or not
     return sum(b.numel() for b in bufs.values())
+
+
+# ---- the copies of an expert share one gradient -----------------------------------------------
+
+def reduce_copies(layers: dict[int, nn.Module]) -> None:
+    """Sum the gradients of every copied expert over its copies (one flat all-reduce over the
+    expert-parallel group, in one order on every rank: layers, parameters, experts by index), so
+    each copy holds the gradient of all the expert's tokens in this group, bitwise the same on
+    every copy. Call after the backward, before the data-parallel reduction; no-op without copies.
+    Collective over the group (its ranks hold the same layers)."""
+    jobs = []  # (gradient [K, ...], this rank's rows of copied experts, their index among the copied)
+    ep = None
+    for i in sorted(layers):
+        for mod in expert_modules(layers[i]):
+            if getattr(mod, "ep", None) is None or int(mod.copies.max()) <= 1:
+                continue
+            ep = mod.ep
+            copied = [e for e in range(num_experts(mod)) if int(mod.copies[e]) > 1]
+            index = {e: k for k, e in enumerate(copied)}
+            mine = local_experts(mod)
+            rows = [(j, index[e]) for j, e in enumerate(mine) if e in index]
+            for p in mod.parameters():
+                if p.grad is not None:
+                    jobs.append((p.grad, rows, len(copied)))
+    if not jobs:
+        return
+    dev = jobs[0][0].device
+    bufs = []
+    for g, rows, n in jobs:
+        b = g.new_zeros((n, *g.shape[1:]))
+        if rows:
+            b.index_copy_(0, torch.tensor([k for _, k in rows], device=dev),
+                          g.index_select(0, torch.tensor([j for j, _ in rows], device=dev)))
+        bufs.append(b.reshape(-1))
+    flat = torch.cat(bufs)
+    dist.all_reduce(flat, group=ep.group)
+    off = 0
+    for (g, rows, n), b in zip(jobs, bufs):
+        summed = flat[off: off + b.numel()].view(n, *g.shape[1:])
+        off += b.numel()
+        if rows:
+            g.index_copy_(0, torch.tensor([j for j, _ in rows], device=dev),
+                          summed.index_select(0, torch.tensor([k for _, k in rows], device=dev)))

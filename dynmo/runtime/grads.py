@@ -15,7 +15,7 @@ from dynmo.config import ModelConfig
 from dynmo.model.layers import LayerSpec, layer_class, tag_layer
 from dynmo.runtime import optim
 from dynmo.runtime.dist import DistContext
-from dynmo.runtime.experts import is_expert_param, local_experts, module_of
+from dynmo.runtime.experts import first_rows, is_expert_param, module_of, num_experts, reduce_copies
 
 
 def local_grads(layers: dict[int, nn.Module]) -> list[torch.Tensor]:
@@ -41,7 +41,10 @@ def sync_data_parallel(layers: dict[int, nn.Module], ctx: DistContext) -> None:
     With expert parallelism (`parallel.ep` > 1) the expert gradients are summed only over the
     replicas that hold the same experts (each already sums its expert-parallel group's
     contributions, `dynmo.runtime.experts`), and divided by dp as well: the mean over the
-    replicas, as without it. Every other gradient is averaged over the whole group."""
+    replicas, as without it; the copies of an expert first sum theirs over the expert-parallel
+    group (`experts.reduce_copies`). Every other gradient is averaged over the whole group."""
+    if ctx.ep > 1:
+        reduce_copies(layers)
     if ctx.dp_group is None:
         return
     if ctx.ep > 1:
@@ -143,8 +146,9 @@ def _expert_summed(layers: dict[int, nn.Module], norms: dict[int, dict[str, torc
                    group: dist.ProcessGroup, device: torch.device) -> dict[int, dict[str, torch.Tensor]]:
     """`norms` ({layer: {parameter: squared norm}}) with every expert parameter's the sum over
     all its experts, in expert index order: each rank puts its rows' squared norms at their
-    experts' indices, one all-reduce fills every index (each is non-zero on one rank only, so
-    the sum is exact), and the per-expert norms are summed in index order. So the norm, and the
+    experts' indices (a copied expert's from its first copy only), one all-reduce fills every
+    index (each is non-zero on one rank only, so the sum is exact), and the per-expert norms are
+    summed in index order. So the norm, and the
     clipping, do not depend on which rank holds which expert (`experts.apply_placement`)."""
     keys = [(i, n) for i in sorted(norms) for n in norms[i] if is_expert_param(n)]
     if keys:
@@ -153,8 +157,9 @@ def _expert_summed(layers: dict[int, nn.Module], norms: dict[int, dict[str, torc
             p = layers[i].get_parameter(n)
             mod = module_of(layers[i], n)
             per = p.grad.detach().float().pow(2).reshape(p.shape[0], -1).sum(1)
-            v = torch.zeros(len(mod.order), dtype=torch.float32, device=per.device)
-            v[torch.tensor(local_experts(mod), device=per.device)] = per
+            v = torch.zeros(num_experts(mod), dtype=torch.float32, device=per.device)
+            mine, held = first_rows(mod)
+            v[torch.tensor(held, dtype=torch.long, device=per.device)] = per[torch.tensor(mine, dtype=torch.long, device=per.device)]
             rows.append(v)
         v = torch.stack(rows).to(device)
         dist.all_reduce(v, group=group)

@@ -79,7 +79,7 @@ class Pipeline:
         # parallel.shard = "full": every unit sharded over this stage's replicas (dynmo.runtime.fsdp)
         self.mesh = fsdp.mesh_of(ctx.dp_group, ctx.device) if cfg.parallel.shard == "full" else None
         # parallel.ep > 1: every MoE layer keeps only this rank's experts (dynmo.runtime.experts)
-        self.ep = experts.group_of(ctx)
+        self.ep = experts.group_of(ctx, slots=cfg.parallel.expert_slots)
         self.layers: dict[int, nn.Module] = self._build_layers(self._my_layers(layout))
         self.tie = tied_embeddings(cfg.model, self.specs, ctx, self.placement)  # None unless model.tie_embeddings
         self.optimizer = self._new_optimizer()
@@ -252,7 +252,7 @@ class Pipeline:
                 return report
             self.ctx = ctx
             if self.ep is not None:  # the expert-parallel groups of the shrunk job
-                self.ep = experts.group_of(ctx, self.ep.orders)
+                self.ep = experts.group_of(ctx, self.ep.orders, self.ep.slots)
                 for layer in self.layers.values():
                     experts.rebind(layer, self.ep)
             if self.mesh is not None:  # layers arriving later shard over the new group
@@ -282,7 +282,7 @@ class Pipeline:
         figures = [torch.zeros_like(total) for _ in range(self.ctx.active_world)]
         torch.distributed.all_gather(figures, total, group=self.ctx.active_group)
         n = self.cfg.model.moe.num_experts
-        moved = {k: experts.moved_experts(old[k] or experts.contiguous(n), o, self.ep.size) for k, o in new.items()}
+        moved = {k: experts.moved_experts(old[k] or self.ep.start(n), o, self.ep.size) for k, o in new.items()}
         return {"type": "replacement", "placements": {k: list(o) for k, o in new.items()},
                 "experts_moved": {k: v for k, v in moved.items() if v},
                 "bytes": int(sum(f[0] for f in figures)), "seconds": float(max(f[1] for f in figures))}

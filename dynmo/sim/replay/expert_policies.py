@@ -28,8 +28,9 @@ Policies (one placement per MoE layer, the same in every EP group):
            layer replay charges it, `mig_fixed` + the moved layers' bytes / `mig_bandwidth`, each
            rank shipping its own experts' share (`_Model.layer_bytes`); an expert move by
            `_Model.move`;
-  start    with layouts = "dynmo": static placement on the layout dynmo starts from (the FLOP
-           model's), never changed: what dynmo must never lose to;
+  start    with layouts = "dynmo": dynmo's start placement (static, or with `extra_slots` the
+           copies of `start_order`) on the layout dynmo starts from (the FLOP model's), never
+           changed: what dynmo must never lose to;
   oracle   per step, each MoE layer's best placement for that step's own loads (summed over the
            replicas), moves free; with layouts = "dynmo", also that step's best layer layout for
            the costs under those placements (the controller's candidates, scored by this
@@ -39,9 +40,11 @@ Policies (one placement per MoE layer, the same in every EP group):
            solver's within PLACE_NODES nodes, so proven optimal only where the branch and bound
            ended (else the greedy's answer: near-best, not a bound).
 
-With `extra_slots` and `copies` the oracle's placements may copy hot experts (the copies split an
-expert's tokens evenly): what copies could reach. dynmo never copies (nor does the runtime), and
-static never does. With N = E (one expert per rank) and no copies every placement is the same up
+With `extra_slots` (`parallel.expert_slots`) dynmo runs as the runtime does: it starts on
+`dynmo.balance.experts.start_order` (the extra slots holding copies of the experts that follow a
+rank's own), and its placements may copy hot experts, every slot filled (the copies split an
+expert's tokens evenly). With `copies` as well the oracle's placements may copy hot experts, at
+most that many copies a layer: what copies could reach. static never copies. With N = E (one expert per rank) and no copies every placement is the same up
 to renaming: with the layout held fixed the three policies tie by construction, and with the
 layout decided every gain is the layout's.
 """
@@ -53,7 +56,7 @@ from dataclasses import fields
 import numpy as np
 
 from dynmo.balance import Problem, balance
-from dynmo.balance.experts import Placement, static_placement
+from dynmo.balance.experts import Placement, start_order, static_placement
 from dynmo.config import BalanceConfig
 from dynmo.controller import candidates
 from dynmo.controller.experts import ExpertBalancer, order_of, placement_of
@@ -129,8 +132,16 @@ def _record(res: ExpertPolicyResult, model: _Model, k: int, placements: list[Pla
     return t
 
 
-def run_static(model: _Model, layout: Layout, res: ExpertPolicyResult) -> None:
-    static = _static(model)
+def _start(model: _Model) -> list[Placement]:
+    """Where dynmo's placements start: static, or with `extra_slots` the runtime's start, every
+    slot full, the extra ones holding copies (`dynmo.balance.experts.start_order`)."""
+    if not model.opts.extra_slots:
+        return _static(model)
+    return [placement_of(start_order(model.n, model.ep, model.opts.extra_slots), model.ep)] * len(model.layers)
+
+
+def run_static(model: _Model, layout: Layout, res: ExpertPolicyResult, placements: list[Placement] | None = None) -> None:
+    static = _static(model) if placements is None else placements
     for k in range(len(model.trace.steps)):
         _record(res, model, k, static, layout, 0.0)
 
@@ -181,12 +192,12 @@ def run_dynmo(model: _Model, layout: Layout, decide_layout: bool, res: ExpertPol
     eb = ExpertBalancer(ranks=model.ep, groups=model.groups, names=names, expert_bytes=model.expert_bytes,
                         every=o.every, window=o.window, min_gain=o.min_gain, confidence=o.confidence,
                         horizon=o.horizon, fixed_s=o.mig_fixed, bandwidth=o.mig_bandwidth,
-                        expert_share={names[i]: share for i in model.layers})
+                        extra_slots=o.extra_slots, expert_share={names[i]: share for i in model.layers})
     orders: dict[str, tuple[int, ...]] = {}
-    static = _static(model)
+    start = _start(model)
 
     def placements() -> list[Placement]:
-        return [placement_of(orders[names[i]], model.ep) if names[i] in orders else static[j]
+        return [placement_of(orders[names[i]], model.ep) if names[i] in orders else start[j]
                 for j, i in enumerate(model.layers)]
 
     for k in range(steps):
@@ -265,7 +276,7 @@ def replay_experts(trace: Trace, stages: int, dp: int, ep: int, options: ExpertO
     run_static(model, layout, results["static"])
     if joint:  # where dynmo starts, left static: what dynmo must never lose to
         results["start"] = ExpertPolicyResult("start")
-        run_static(model, start, results["start"])
+        run_static(model, start, results["start"], _start(model))
     dyn_names = [n for n in ("dynmo",) if n in policies] + list(variant_opts)
     for name in dyn_names:
         model.opts = variant_opts.get(name, opts)

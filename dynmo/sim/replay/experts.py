@@ -322,11 +322,12 @@ class _Model:
     def layer_bytes(self) -> list[float]:
         """What a migrating layer ships per rank under expert parallelism: the trace header's
         bytes (the whole layer, `BYTES_PER_PARAM` a parameter), less the experts each rank of an
-        EP group does not hold (N x (1 - 1 / E) experts of `expert_bytes`) for a MoE layer: each
-        rank of the stage sends its own share, all at once."""
+        EP group does not hold (N - (N / E + extra_slots) experts of `expert_bytes`) for a MoE
+        layer: each rank of the stage sends its own share, all at once."""
         out = [float(b) for b in self.trace.header.layer_bytes]
+        held = self.n // self.ep + self.opts.extra_slots
         for i in self.layers:
-            out[i] = max(0.0, out[i] - self.n * (1 - 1 / self.ep) * self.expert_bytes)
+            out[i] = max(0.0, out[i] - (self.n - held) * self.expert_bytes)
         return out
 
     def mean_layer_times(self, k: int, placements: list[Placement]) -> tuple[np.ndarray, np.ndarray]:
