@@ -22,6 +22,7 @@ import torch.distributed as dist
 from dynmo import plan
 from dynmo.checks import parse_replacements
 from dynmo.config import Config, to_toml
+from dynmo.balance.experts import MOVE_BYTES_PER_PARAM
 from dynmo.controller.experts import ExpertBalancer
 from dynmo.flops import expert_share
 from dynmo.data import TokenData, prepare
@@ -93,7 +94,7 @@ class Trainer:
             self.expert_balancer = ExpertBalancer(
                 ranks=ctx.ep, groups=ctx.dp // ctx.ep, names=[s.prefix for s in self.pipe.specs],
                 extra_slots=cfg.parallel.expert_slots,
-                expert_bytes=12.0 * experts.params_per_expert(self.pipe.specs, cfg.model),  # fp32 weights, 2 moments
+                expert_bytes=MOVE_BYTES_PER_PARAM * experts.params_per_expert(self.pipe.specs, cfg.model),
                 every=b.experts_every, window=b.window, min_gain=b.min_gain, confidence=b.confidence, horizon=b.horizon,
                 expert_share={s.prefix: expert_share(cfg.model, cfg.parallel.unit == "sublayer") for s in self.pipe.specs})
         if self.resumed_grow is not None:

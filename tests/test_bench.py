@@ -294,17 +294,22 @@ def test_moe_cases_are_replayed_with_expert_parallelism_and_the_rows_kept(tmp_pa
     argv = ["--out", str(tmp_path), "--cases", "moe", "--no-real"]
     assert bench.main(argv) == 0
     doc = json.loads((tmp_path / "bench.json").read_text())
-    (row,) = doc["experts"]
-    assert (row["case"], row["ep"], row["experts"]) == ("moe", 2, 8)
-    want = replay_experts(scale_trace(load_trace(tmp_path / "traces" / "moe-static.jsonl"), 4, noise=0.05), 2, 2, 2,
-                          ExpertOptions(microbatches=8), layouts="dynmo").results
-    assert row["static_s"] == pytest.approx(want["static"].total_s) and row["dynmo"] == pytest.approx(want["dynmo"].speedup)
-    assert row["oracle"] == pytest.approx(want["oracle"].speedup) and row["oracle"] >= 1.0
+    rows = doc["experts"]
+    assert [(r["case"], r["ep"], r["experts"], r["extra_slots"]) for r in rows] == [("moe", 2, 8, 0), ("moe", 2, 8, 1)]
+    scaled = scale_trace(load_trace(tmp_path / "traces" / "moe-static.jsonl"), 4, noise=0.05)
+    for row in rows:
+        s = row["extra_slots"]
+        want = replay_experts(scaled, 2, 2, 2, ExpertOptions(microbatches=8, extra_slots=s, copies=2 * s),
+                              layouts="dynmo").results
+        assert row["static_s"] == pytest.approx(want["static"].total_s)
+        assert row["dynmo"] == pytest.approx(want["dynmo"].speedup)
+        assert row["oracle"] == pytest.approx(want["oracle"].speedup) and row["oracle"] >= 1.0
+    assert rows[0]["static_s"] == rows[1]["static_s"]  # static never copies
     text = (tmp_path / "bench.md").read_text()
     assert "## Expert parallelism at paper scale" in text
-    assert [line for line in text.splitlines() if line.startswith("| moe | 6 layers, 2x2 | 2 (8) |")]
+    assert len([line for line in text.splitlines() if line.startswith("| moe | 6 layers, 2x2 | 2 (8) |")]) == 2
     assert bench.main(["--out", str(tmp_path), "--cases", "moe", "--no-real", "--no-sim"]) == 0
-    assert json.loads((tmp_path / "bench.json").read_text())["experts"] == [row]
+    assert json.loads((tmp_path / "bench.json").read_text())["experts"] == rows
     # a MoE trace without the routing (recorded before it was): no row, and the output says why
     for st in t.steps:
         st.stats.pop("moe_tokens_per_expert", None)

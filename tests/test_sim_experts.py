@@ -137,15 +137,17 @@ def test_one_decision_for_layout_and_placement(moe):
 
 
 def test_a_migrating_moe_layer_ships_only_each_ranks_experts(moe):
-    """Under expert parallelism a rank holds N / E experts of a MoE layer: a layer migration
-    ships the rest of the layer and those, from every rank at once."""
-    for ep in (1, 2, 4):
-        m = X._Model(moe, 2, 4, ep, X.ExpertOptions())
+    """Under expert parallelism a rank holds N / E experts of a MoE layer (and `extra_slots`
+    copies): a layer migration ships the rest of the layer and those, from every rank at once,
+    counted as the header counts a layer (16 B a parameter)."""
+    for ep, slots in ((1, 0), (2, 0), (4, 0), (4, 1)):
+        m = X._Model(moe, 2, 4, ep, X.ExpertOptions(extra_slots=slots))
         got, whole = m.layer_bytes(), moe.header.layer_bytes
         for i, b in enumerate(whole):
-            want = b - 8 * (1 - 1 / ep) * m.expert_bytes if i in m.layers else b
+            want = b - (8 - 8 // ep - slots) * 16 * m.expert_params if i in m.layers else b
             assert got[i] == pytest.approx(want)
         assert all(g > 0 for g in got)
+    assert m.expert_bytes == 12 * m.expert_params  # a re-placement ships weights and moments, no gradients
 
 
 def test_the_replay_moves_experts_as_the_trainer_decides():

@@ -40,8 +40,8 @@ visible where the answer is not proven exact: the largest of
 
 Moving between placements (`move_cost`): every (expert, rank) pair of the new placement that
 the old one lacks ships the expert's weights and optimizer state to that rank (the caller
-gives the bytes per expert: 16 B a parameter for fp32 weights, gradients and AdamW's two
-moments). `align` renames the new placement's ranks (rank loads do not depend on the names)
+gives the bytes per expert: `MOVE_BYTES_PER_PARAM`, 12 B a parameter for fp32 weights and
+AdamW's two moments, what a move between steps ships: gradients are freed by then). `align` renames the new placement's ranks (rank loads do not depend on the names)
 so that the fewest bytes move, an assignment problem solved exactly (Hungarian method).
 """
 
@@ -58,6 +58,7 @@ EXACT_EXPERTS = 12  # exact branch and bound up to this many experts ...
 EXACT_RANKS = 4  # ... and this many ranks
 MAX_NODES = 200_000  # nodes the branch and bound may visit before it settles for what it has
 EPS = 1e-12
+MOVE_BYTES_PER_PARAM = 12  # what moving an expert ships: fp32 weights, AdamW exp_avg and exp_avg_sq
 
 
 @dataclass(frozen=True)

@@ -25,17 +25,20 @@ def experts_section(rows: list[dict]) -> list[str]:
         "all-to-all, no padding); one decision for the layer layout and the placements. static: experts in index "
         "order on the best static layer layout in hindsight; dynmo: the trainer's decisions on the replayed steps "
         "(`balance.experts = \"auto\"` scored by the simulated step time, the layer controller from the FLOP "
-        "model's layout); oracle: each step's best placements and layout, free to change. Speedups are total time "
-        "over static's; capture = (dynmo - 1) / (oracle - 1); dynmo over its start: over its first layout left "
-        "static (static placement); busiest / mean: the busiest EP rank's tokens over "
+        "model's layout); oracle: each step's best placements and layout, free to change. With an extra slot a rank "
+        "(`parallel.expert_slots`), dynmo starts with copies in the extra slots and may copy hot experts, and so may "
+        "the oracle; static never copies. Speedups are total time "
+        "over static's; capture = (dynmo - 1) / (oracle - 1); dynmo over its start: over its first layout and "
+        "placement left static; busiest / mean: the busiest EP rank's tokens over "
         "the mean rank's, mean over steps and MoE layers.\n",
-        "| case | shape | E (experts) | best static layout | static s | dynmo | capture | oracle "
+        "| case | shape | E (experts) | extra slots | best static layout | static s | dynmo | capture | oracle "
         "| dynmo over its start | re-placements, layer migrations | busiest / mean: static, dynmo, oracle |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---|---|",
+        "|---|---|---|---:|---|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in rows:
         busy = ", ".join(_f(r["busiest_over_mean"].get(p)) for p in ("static", "dynmo", "oracle"))
-        lines.append(f"| {r['case']} | {r['shape']} | {r['ep']} ({r['experts']}) | {r['best_static']} | "
+        lines.append(f"| {r['case']} | {r['shape']} | {r['ep']} ({r['experts']}) | {r.get('extra_slots', 0)} | "
+                     f"{r['best_static']} | "
                      f"{_f(r['static_s'], ',.1f')} | {_f(r['dynmo'])} | {_f(r['capture'], '.2f')} | {_f(r['oracle'])} | "
                      f"{_f(r.get('dynmo_vs_start'))} | "
                      f"{r['replacements']}, {r['layer_migrations']} | {busy} |")

@@ -20,6 +20,8 @@ from dynmo.sim.replay.expert_policies import replay_experts
 from dynmo.sim.replay.experts import ExpertOptions, moe_layers
 from dynmo.sim.trace.format import traced_model
 
+EXPERT_SLOTS = 1  # the expert-parallel rows with copies: one extra slot a rank
+
 
 def sim_rows(case: BenchCase, out: Path) -> list[dict]:
     trace = scale_trace(load_trace(out / "traces" / f"{case.name}-static.jsonl"), case.blocks, noise=0.05)
@@ -62,9 +64,11 @@ def expert_rows(case: BenchCase, out: Path) -> tuple[list[dict], list[str]]:
     """A MoE case's trace, scaled as `sim_rows` scales it, replayed with expert parallelism over
     each stage's dp replicas (E = dp: one expert a rank with 8 experts and dp 8) and one decision
     for the layer layout and the placements (`replay_experts(layouts="dynmo")`): static
-    placement on the best static layout, dynmo's placements and layouts, the oracle. No row for
-    a model without experts; a line saying why for a MoE model whose trace cannot be replayed so
-    (a trace from before routing was recorded)."""
+    placement on the best static layout, dynmo's placements and layouts, the oracle; a row
+    without copies and one with EXPERT_SLOTS extra slots a rank (`parallel.expert_slots`: dynmo
+    and the oracle may copy hot experts into them; static never does). No row for a model
+    without experts; a line saying why for a MoE model whose trace cannot be replayed so (a
+    trace from before routing was recorded)."""
     trace = scale_trace(load_trace(out / "traces" / f"{case.name}-static.jsonl"), case.blocks, noise=0.05)
     model = traced_model(trace.header)
     try:
@@ -73,14 +77,19 @@ def expert_rows(case: BenchCase, out: Path) -> tuple[list[dict], list[str]]:
         moe = model is not None and model.has_experts
         return [], ([f"{case.name}: no expert-parallel replay: {str(e).splitlines()[0]}"] if moe else [])
     ep = case.dp
-    got = replay_experts(trace, case.stages, case.dp, ep, ExpertOptions(microbatches=4 * case.stages), layouts="dynmo")
-    r = got.results
-    return [{"case": case.name, "shape": f"{case.blocks + 2} layers, {case.stages}x{case.dp}", "ep": ep,
-             "experts": got.shape["experts"], "best_static": got.layout_name, "static_s": r["static"].total_s,
-             "dynmo": r["dynmo"].speedup, "capture": r["dynmo"].capture, "oracle": r["oracle"].speedup,
-             "dynmo_vs_start": r["start"].total_s / r["dynmo"].total_s,
-             "replacements": r["dynmo"].migrations, "layer_migrations": r["dynmo"].layer_migrations,
-             "busiest_over_mean": {p: r[p].as_dict()["mean_busiest_over_mean"] for p in ("static", "dynmo", "oracle")}}], []
+    rows = []
+    for slots in (0, EXPERT_SLOTS):
+        opts = ExpertOptions(microbatches=4 * case.stages, extra_slots=slots, copies=ep * slots)
+        got = replay_experts(trace, case.stages, case.dp, ep, opts, layouts="dynmo")
+        r = got.results
+        rows.append({"case": case.name, "shape": f"{case.blocks + 2} layers, {case.stages}x{case.dp}", "ep": ep,
+                     "experts": got.shape["experts"], "extra_slots": slots, "best_static": got.layout_name,
+                     "static_s": r["static"].total_s, "dynmo": r["dynmo"].speedup, "capture": r["dynmo"].capture,
+                     "oracle": r["oracle"].speedup, "dynmo_vs_start": r["start"].total_s / r["dynmo"].total_s,
+                     "replacements": r["dynmo"].migrations, "layer_migrations": r["dynmo"].layer_migrations,
+                     "busiest_over_mean": {p: r[p].as_dict()["mean_busiest_over_mean"]
+                                           for p in ("static", "dynmo", "oracle")}})
+    return rows, []
 
 
 def _dense_trace(out: Path, case: BenchCase) -> Path | None:

@@ -57,20 +57,20 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from dynmo.balance.experts import Placement, align, move_cost, place_experts
+from dynmo.balance.experts import MOVE_BYTES_PER_PARAM, Placement, align, move_cost, place_experts
 from dynmo.config import ModelConfig
 from dynmo.controller.evidence import CONFIDENCE
 from dynmo.controller.migration import MIGRATION_BANDWIDTH, MIGRATION_FIXED_S
 from dynmo.engine import SimInputError, StageTimes, simulate_plan, build_plan
 from dynmo.flops import attention_macs, mlp_macs
 from dynmo.layout import Layout
+from dynmo.loop import BYTES_PER_PARAM
 from dynmo.sim.replay.options import ReplayOptions, schedule_of
 from dynmo.sim.trace import Trace
 from dynmo.sim.trace.format import traced_model
 
 POLICIES = ("static", "dynmo", "oracle")
 A2A_BANDWIDTH = 25e9  # bytes/s per rank: a 200 Gb/s link per GPU
-STATE_BYTES_PER_PARAM = 16  # fp32 weights, gradients, AdamW exp_avg and exp_avg_sq
 SPLITS = ("fit", "flops")
 PLACE_NODES = 2000  # branch-and-bound nodes per placement in the replay (thousands of them): exact where that suffices
 CAPTURE_MIN_GAIN = 0.005  # below this oracle gain over static, a captured share says nothing
@@ -265,7 +265,8 @@ class _Model:
         self.d_model = cfg.d_model
         dtype = (trace.header.config.get("train") or {}).get("dtype", "fp32")
         self.elem_bytes = 2 if dtype == "bf16" else 4
-        self.expert_bytes = STATE_BYTES_PER_PARAM * expert_params(cfg)
+        self.expert_params = expert_params(cfg)
+        self.expert_bytes = MOVE_BYTES_PER_PARAM * self.expert_params  # a re-placement, between steps
         # the split
         fit = fit_split(trace, self.layers)
         tokens_mb = float(st0["moe_useful_rows"][self.layers[0]]) / max(float(st0["moe_forwards"][self.layers[0]]), 1) \
@@ -322,12 +323,13 @@ class _Model:
     def layer_bytes(self) -> list[float]:
         """What a migrating layer ships per rank under expert parallelism: the trace header's
         bytes (the whole layer, `BYTES_PER_PARAM` a parameter), less the experts each rank of an
-        EP group does not hold (N - (N / E + extra_slots) experts of `expert_bytes`) for a MoE
-        layer: each rank of the stage sends its own share, all at once."""
+        EP group does not hold (N - (N / E + extra_slots) experts, `BYTES_PER_PARAM` a parameter as
+        the header counts them) for a MoE layer: each rank of the stage sends its own share, all
+        at once."""
         out = [float(b) for b in self.trace.header.layer_bytes]
         held = self.n // self.ep + self.opts.extra_slots
         for i in self.layers:
-            out[i] = max(0.0, out[i] - (self.n - held) * self.expert_bytes)
+            out[i] = max(0.0, out[i] - (self.n - held) * BYTES_PER_PARAM * self.expert_params)
         return out
 
     def mean_layer_times(self, k: int, placements: list[Placement]) -> tuple[np.ndarray, np.ndarray]:
