@@ -141,8 +141,9 @@ def check_expert_parallel(cfg: Config) -> None:
 def parse_replacements(cfg: Config) -> dict[int, dict[str, tuple[int, ...]]]:
     """`parallel.replace_experts` entries "STEP:ORDER" (every MoE block) or "STEP:BLOCK:ORDER"
     (block BLOCK, 0-based, as in the layer names) -> {step: {layer name: order}}. ORDER is the
-    experts, rank by rank and slot by slot of the expert-parallel group: a permutation of
-    0 .. moe.num_experts - 1. Steps are 0-based steps of the run; at most one entry per block and
+    experts, rank by rank and slot by slot of the expert-parallel group: moe.num_experts +
+    ep x parallel.expert_slots of them, every expert at least once, none twice on one rank (a
+    permutation of 0 .. moe.num_experts - 1 without expert slots). Steps are 0-based steps of the run; at most one entry per block and
     step; needs parallel.ep > 1."""
     entries = cfg.parallel.replace_experts
     out: dict[int, dict[str, tuple[int, ...]]] = {}

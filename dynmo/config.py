@@ -140,7 +140,9 @@ class ParallelConfig:
     relayout: list[str] = field(default_factory=list)
     # Forced expert re-placements (parallel.ep > 1): "STEP:ORDER" (every MoE block) or
     # "STEP:BLOCK:ORDER" (block BLOCK, 0-based), applied before that step; ORDER lists the
-    # experts rank by rank, slot by slot, e.g. "2:1,0,3,2" (ep 2, 4 experts: rank 0 holds 1 and 0).
+    # experts rank by rank, slot by slot, e.g. "2:1,0,3,2" (ep 2, 4 experts: rank 0 holds 1 and 0);
+    # with expert_slots = S each rank lists num_experts / ep + S, e.g. "2:1,0,3,2,3,0" (S = 1:
+    # rank 0 holds 1, 0 and 3; rank 1 holds 2, 3 and 0).
     replace_experts: list[str] = field(default_factory=list)
     backend: str = "auto"  # auto (nccl with CUDA, else gloo) | gloo | nccl
     # Seconds a collective or point-to-point operation may wait for a peer (a rank that died or

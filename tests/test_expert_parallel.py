@@ -192,16 +192,18 @@ def _one_layer(rank: int, world: int, store: str, family: str, slots: int) -> No
             y, aux = layer.forward_with_aux(x, mask)
             ((y * w).sum() + aux).backward()
             outs.append(y.detach())
+        del mod.one  # the class's again: a module holding a closure over itself lives on to the interpreter's
+        # exit with the group's handle, and gloo aborts a process whose group is torn down that late
         reduce_copies({0: part})
         torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-5)
         assert part.last_stats["tokens_per_expert"] == whole.last_stats["tokens_per_expert"]
         assert len(part.last_stats["ep_rank_rows"]) == world
         mine = local_experts(mod)
         assert len(mine) == cfg.moe.num_experts // world + slots
-        every_rows = [None] * world
-        dist.all_gather_object(every_rows, rows)
+        every_rows = [torch.zeros(len(rows), dtype=torch.long) for _ in range(world)]
+        dist.all_gather(every_rows, torch.tensor(rows, dtype=torch.long))
         per_copy: dict[int, list[int]] = {}
-        for e, n in zip(mod.order, [n for r in every_rows for n in r]):
+        for e, n in zip(mod.order, [int(n) for r in every_rows for n in r]):
             per_copy.setdefault(e, []).append(n)
         for e, ns in per_copy.items():  # each source splits its rows for a copied expert evenly
             assert len(ns) == int(mod.copies[e]) and max(ns) - min(ns) <= world, (e, ns)
@@ -231,3 +233,57 @@ def test_one_block_with_its_experts_spread_equals_the_whole_block(tmp_path, fami
     import torch.multiprocessing as mp
 
     mp.spawn(_one_layer, args=(world, str(tmp_path / "store"), family, slots), nprocs=world, join=True)
+
+
+def _copies_over_replicas(rank: int, world: int, store: str) -> None:
+    """dp 6 with ep 2 (three expert-parallel groups, three replicas holding each rank's experts),
+    one extra slot a rank: after the data-parallel reduction every copy of an expert, in every
+    group, holds bitwise the same gradient (so the copies take the same AdamW step), and it is
+    the mean over the replicas of the whole block's gradients of that expert."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from dynmo.model.layers import LayerSpec, build_layer
+    from dynmo.runtime.experts import ExpertGroup, expert_modules, is_expert_param, local_experts, localize
+    from dynmo.runtime.grads import sync_data_parallel
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        ep_groups = [dist.new_group([2 * g, 2 * g + 1]) for g in range(world // 2)]
+        replica_groups = [dist.new_group(list(range(q, world, 2))) for q in range(2)]
+        cfg = tiny_config("--model.block", "moe", "--model.moe.num_experts", "4").model
+        whole = build_layer(LayerSpec("t", 1), cfg, seed=3)
+        part = localize(build_layer(LayerSpec("t", 1), cfg, seed=3),
+                        ExpertGroup(2, rank % 2, ep_groups[rank // 2], "gloo", slots=1))
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(2, cfg.seq_len, cfg.d_model, generator=g)
+        w = torch.randn(2, cfg.seq_len, cfg.d_model, generator=g)
+        mask = torch.ones(2, cfg.seq_len, dtype=torch.bool)
+        for layer in (whole, part):
+            y, aux = layer.forward_with_aux(x, mask)
+            ((y * w).sum() + aux).backward()
+        ctx = SimpleNamespace(ep=2, dp=world, dp_group=dist.group.WORLD, ep_replica_group=replica_groups[rank % 2])
+        sync_data_parallel({0: part}, ctx)
+        mine = local_experts(expert_modules(part)[0])
+        for (n, pw), (_, pp) in zip(whole.named_parameters(), part.named_parameters()):
+            if not is_expert_param(n):
+                continue
+            mean = pw.grad.clone()
+            dist.all_reduce(mean)
+            torch.testing.assert_close(pp.grad, mean[mine] / world, rtol=0, atol=1e-6)
+            every = [torch.empty_like(pp.grad) for _ in range(world)]
+            dist.all_gather(every, pp.grad)
+            orders = [(0, 1, 2, 2, 3, 0)[3 * (q % 2):3 * (q % 2) + 3] for q in range(world)]
+            for e in range(cfg.moe.num_experts):
+                rows = [every[q][orders[q].index(e)] for q in range(world) if e in orders[q]]
+                assert all(torch.equal(r, rows[0]) for r in rows), (n, e)  # every copy, every group
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.dist  # spawns 6 gloo processes: seconds
+def test_copies_stay_bitwise_equal_over_three_replica_groups(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_copies_over_replicas, args=(6, str(tmp_path / "store")), nprocs=6, join=True)

@@ -437,3 +437,28 @@ def test_a_damaged_placement_record_is_refused_before_launch(saved):
         check_checkpoint_placement(cfg, "ckpt", {"expert_placement": saved})
     check_checkpoint_placement(cfg, "ckpt", {"expert_placement": {"block3": [3, 2, 1, 0]}})
     check_checkpoint_placement(cfg, "ckpt", {})
+
+
+def test_a_saved_placement_with_copies_is_restored_only_under_the_ranks_and_slots_it_was_saved_with():
+    """8 experts: ep 2 with 2 extra slots and ep 4 with 1 both have 12 slots, so an order saved
+    under one has the other's length; cut under the other its slots would fall on other ranks,
+    and the start placement stands instead. An order without copies fits any ep without slots."""
+    from types import SimpleNamespace
+
+    from dynmo.runtime.checkpoint import restore_placement
+    from dynmo.runtime.experts import ExpertGroup
+
+    def pipe(ep: int, slots: int):
+        cfg = SimpleNamespace(model=SimpleNamespace(moe=SimpleNamespace(num_experts=8)))
+        return SimpleNamespace(ep=ExpertGroup(ep, 0, None, "gloo", slots=slots), cfg=cfg, layers={}, specs=[])
+
+    saved = [0, 1, 2, 3, 4, 5, 4, 5, 6, 7, 0, 1]  # ep 2, 2 slots: rank 0 holds 0-5, rank 1 holds 4-7, 0, 1
+    p = pipe(4, 1)
+    restore_placement(p, {"block0": saved}, {"ep": 2, "expert_slots": 2})
+    assert p.ep.order("block0", 8) == p.ep.start(8) == (0, 1, 2, 2, 3, 4, 4, 5, 6, 6, 7, 0)
+    p = pipe(2, 2)
+    restore_placement(p, {"block0": saved}, {"ep": 2, "expert_slots": 2})
+    assert p.ep.order("block0", 8) == tuple(saved)
+    p = pipe(4, 0)  # without copies: any ep, even a checkpoint that names none
+    restore_placement(p, {"block0": [7, 6, 5, 4, 3, 2, 1, 0]}, None)
+    assert p.ep.order("block0", 8) == (7, 6, 5, 4, 3, 2, 1, 0)

@@ -126,7 +126,7 @@ class ExpertBalancer:
     def decide(self, step: int, orders: dict[str, tuple[int, ...]], steps_left: int,
                step_times: StepTimes | None = None) -> dict[str, tuple[int, ...]]:
         """{layer: new order} for the layers worth re-placing before `step` ({} for none).
-        `orders`: the current placements (a layer absent: contiguous). `step_times`: the simulated
+        `orders`: the current placements (a layer absent: its start, `start_order`). `step_times`: the simulated
         step times of per-unit costs on the layout in force (module doc); None scores by the
         busiest rank's tokens alone."""
         self.last = {}
@@ -149,8 +149,8 @@ class ExpertBalancer:
             now = placement_of(current, self.ranks)
             proposal = align(now, proposal, self.expert_bytes)
             new = order_of(proposal)
-            if {frozenset(r) for r in now.rank_experts()} == {frozenset(r) for r in proposal.rank_experts()}:
-                continue  # the same experts together: nothing to gain
+            if sorted(map(sorted, now.rank_experts())) == sorted(map(sorted, proposal.rank_experts())):
+                continue  # the same experts together on as many ranks: nothing to gain
             ratios = [busiest(new, s, self.ranks) / b if (b := busiest(current, s, self.ranks)) > 0 else 1.0
                       for s in judge]
             if step_times is not None and len(self.costs.get(name, [])) >= len(judge):

@@ -22,7 +22,8 @@ outputs are discarded, so they change neither the result nor the gradients.
 Only active tokens (mask True) are routed; inactive ones get no MLP update.
 
 Expert parallelism (`parallel.ep` = P > 1, set up by `dynmo.runtime.experts`): the experts
-module then holds only its rank's num_experts/P experts (rows of the stacked weights) and an
+module then holds only its rank's num_experts/P experts and `parallel.expert_slots` copies
+(rows of the stacked weights) and an
 `ep` handle (its expert-parallel group) and a placement (`order`, `holders`: which ranks and
 slots hold each expert; a hot expert may have copies on several ranks, which share its tokens).
 Routing stays per replica as above; the kept assignments, sorted by their copy's position, go
@@ -180,7 +181,8 @@ def dispatch_ep(x: torch.Tensor, r: Routing, experts: nn.Module, num_experts: in
     same way. Returns the gate-weighted sum [N, D] and the rows each rank of the group computed.
 
     An expert with c copies: this replica's assignments to it, in routing order, are cut into c
-    runs of equal length (within one), the j-th run to its j-th copy. Which rank holds an expert
+    runs of equal length (within one), the j-th run to copy (j + this rank) mod c, so that the
+    replicas' remainders spread over the copies. Without copies, which rank holds an expert
     does not change its numbers: an expert gets the same rows in the same order (by source rank,
     then in routing order) wherever it sits, and the outputs are summed per token in routing
     order, as in `dispatch`."""
@@ -197,7 +199,10 @@ def dispatch_ep(x: torch.Tensor, r: Routing, experts: nn.Module, num_experts: in
         first = torch.cumsum(per, 0) - per
         nth = torch.empty_like(r.expert)
         nth[by] = torch.arange(r.expert.numel(), device=r.expert.device) - first[r.expert[by]]
-        run = nth * copies[r.expert] // per[r.expert].clamp(min=1)  # which copy: equal runs in routing order
+        c = copies[r.expert]
+        # which copy: equal runs in routing order, the runs' lengths rotated by the source rank so
+        # that no copy takes every replica's remainder
+        run = (nth * c // per[r.expert].clamp(min=1) + ep.rank) % c
         where = holders[r.expert, run]
     order = torch.argsort(where, stable=True)  # by destination rank, then slot, then routing order
     token = r.token[order]

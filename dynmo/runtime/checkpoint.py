@@ -174,7 +174,9 @@ def save(pipe: Pipeline, path: Path, step: int, cfg: Config, cases: dict | None 
                 "seed": cfg.train.seed,
                 "cases": cases or {},  # the dynamic-model cases' own state (dynmo.dynamics.case)
                 "layer_costs": costs,
-                "expert_placement": placements(pipe),  # {layer: order}; absent layers: contiguous
+                "expert_placement": placements(pipe),  # {layer: order}; absent layers: their start
+                # the ranks and slots those orders are read with (an order with copies fits no others)
+                "expert_ranks": {"ep": cfg.parallel.ep, "expert_slots": cfg.parallel.expert_slots},
             }
             if grow is not None:
                 meta["grow"] = grow | {"saved_at": time.time()}
@@ -258,23 +260,26 @@ def read_meta(path: Path) -> dict:
     return json.loads((path / "dynmo.json").read_text())
 
 
-def restore_placement(pipe: Pipeline, saved: dict[str, list[int]]) -> None:
+def restore_placement(pipe: Pipeline, saved: dict[str, list[int]], saved_ranks: dict | None = None) -> None:
     """The saved expert placements become this run's (before the weights load, so each rank's
     rows are those of its experts under them). A placement without copies is valid under any
-    `parallel.ep` that divides the experts' number and no `parallel.expert_slots`; one that does
-    not fit this run's ranks and slots (saved under others) gives way to the start placement,
-    which moves no weight (the checkpoint holds every expert whole). Without expert parallelism
+    `parallel.ep` that divides the experts' number and no `parallel.expert_slots`; one with
+    copies only under the `parallel.ep` and `parallel.expert_slots` it was saved with
+    (`saved_ranks`: cut under others, its slots would fall on other ranks); one that does not
+    fit gives way to the start placement, which loses nothing (the checkpoint holds every expert
+    whole). Without expert parallelism
     there is none to restore (every rank holds every expert)."""
     if pipe.ep is None or not saved:
         return
     n, size = pipe.cfg.model.moe.num_experts, pipe.ep.size
+    same = isinstance(saved_ranks, dict) and saved_ranks == {"ep": size, "expert_slots": pipe.ep.slots}
     fits = {}
     for name, order in saved.items():
         try:
             order = experts.check_order(order, n, size)
         except ValueError:
             continue
-        if len(order) == len(pipe.ep.start(n)):
+        if len(order) == len(pipe.ep.start(n)) and (len(order) == n or same):
             fits[name] = order
     for i, layer in pipe.layers.items():
         name = pipe.specs[i].prefix
@@ -306,7 +311,7 @@ def load(pipe: Pipeline, path: Path) -> int:
                     "exp_avg": torch.zeros_like(rows, memory_format=torch.preserve_format),
                     "exp_avg_sq": torch.zeros_like(rows, memory_format=torch.preserve_format),
                 }
-    restore_placement(pipe, meta.get("expert_placement") or {})
+    restore_placement(pipe, meta.get("expert_placement") or {}, meta.get("expert_ranks"))
     sd, after = _state_dict(pipe, with_optim=meta.get("has_optimizer_state", True), loading=True)
     # state_dict() tensors share storage with the parameters: DCP loads into them in place;
     # whole expert tensors load into buffers, whose rows `_scatter` copies to this rank's.

@@ -19,11 +19,12 @@ expert's holders (`order`, `holders`, `copies`), through which the model's MoE f
 runtime.
 
 Gradients: an expert's gradient on its rank already sums the contributions of the rows it
-computed (the all-to-all's backward brought them back); the copies of an expert first sum their
-gradients over the group (`reduce_copies`: every copy then holds the whole expert's gradient,
-bitwise the same, so the copies take the same AdamW step and stay equal);
-`grads.sync_data_parallel` then sums it over the dp/P replicas that hold the same experts and
-divides by dp, so the update is the mean over the replicas, as without expert parallelism.
+computed (the all-to-all's backward brought them back); `grads.sync_data_parallel` sums it over
+the dp/P replicas that hold the same experts and divides by dp, so the update is the mean over
+the replicas, as without expert parallelism; then the copies of an expert sum theirs over the
+group (`reduce_copies`: every copy, in every group, then holds the whole expert's gradient,
+bitwise the same, so the copies take the same AdamW step and stay equal; the order is why, see
+`sync_data_parallel`).
 Every other gradient is averaged over the whole data-parallel group as before. The gradient
 norm counts each expert once (its first holder's rows, `first_rows`).
 
@@ -86,7 +87,7 @@ class ExpertGroup:
         self.size, self.rank, self.group = size, rank, group
         self.slots = slots  # parallel.expert_slots: slots a rank has beyond num_experts / size
         self.wire = torch.float32 if backend == "gloo" else None
-        # every MoE layer's placement by layer name (absent: the contiguous one), the same on all ranks
+        # every MoE layer's placement by layer name (absent: its start, `start`), the same on all ranks
         self.orders: dict[str, tuple[int, ...]] = dict(orders or {})
 
     def gather_counts(self, counts: torch.Tensor) -> torch.Tensor:
@@ -152,7 +153,7 @@ def first_rows(mod: nn.Module) -> tuple[list[int], list[int]]:
 def localize(layer: nn.Module, ep: ExpertGroup | None, name: str | None = None) -> nn.Module:
     """Keep only this rank's experts of every MoE module of `layer` (rows of each stacked expert
     weight), in place, under the placement the group's handle holds for layer `name` (the
-    contiguous one if none), and hand the experts modules the handle. No-op when `ep` is None."""
+    start if none), and hand the experts modules the handle. No-op when `ep` is None."""
     if ep is None:
         return layer
     for mod in expert_modules(layer):
@@ -365,9 +366,9 @@ def apply_placement(layers: dict[int, nn.Module], names: dict[int, str], optimiz
 def reduce_copies(layers: dict[int, nn.Module]) -> None:
     """Sum the gradients of every copied expert over its copies (one flat all-reduce over the
     expert-parallel group, in one order on every rank: layers, parameters, experts by index), so
-    each copy holds the gradient of all the expert's tokens in this group, bitwise the same on
-    every copy. Call after the backward, before the data-parallel reduction; no-op without copies.
-    Collective over the group (its ranks hold the same layers)."""
+    each copy holds the gradient of all the expert's tokens, bitwise the same on every copy. Call
+    after the data-parallel reduction (`grads.sync_data_parallel` says why); no-op without
+    copies. Collective over the group (its ranks hold the same layers)."""
     jobs = []  # (gradient [K, ...], this rank's rows of copied experts, their index among the copied)
     ep = None
     for i in sorted(layers):

@@ -41,11 +41,15 @@ def sync_data_parallel(layers: dict[int, nn.Module], ctx: DistContext) -> None:
     With expert parallelism (`parallel.ep` > 1) the expert gradients are summed only over the
     replicas that hold the same experts (each already sums its expert-parallel group's
     contributions, `dynmo.runtime.experts`), and divided by dp as well: the mean over the
-    replicas, as without it; the copies of an expert first sum theirs over the expert-parallel
-    group (`experts.reduce_copies`). Every other gradient is averaged over the whole group."""
-    if ctx.ep > 1:
-        reduce_copies(layers)
+    replicas, as without it; then the copies of an expert sum theirs over the expert-parallel
+    group (`experts.reduce_copies`). In that order because a copy sits at another offset of the
+    flat buffer than its expert's other copies, and with three or more replicas a reduction's
+    rounding depends on the offset: summed over the replicas first, each copy's rows come out the
+    same in every group, and the group's all-reduce then gives every copy, in every group, the
+    same bits. Every other gradient is averaged over the whole group."""
     if ctx.dp_group is None:
+        if ctx.ep > 1:
+            reduce_copies(layers)
         return
     if ctx.ep > 1:
         expert = [p.grad for i in sorted(layers) for n, p in layers[i].named_parameters()
@@ -54,6 +58,7 @@ def sync_data_parallel(layers: dict[int, nn.Module], ctx: DistContext) -> None:
                  if p.grad is not None and not is_expert_param(n)]
         _average(other, ctx.dp_group, ctx.dp)
         _average(expert, ctx.ep_replica_group, ctx.dp)
+        reduce_copies(layers)
         return
     _average(local_grads(layers), ctx.dp_group, ctx.dp)
 

@@ -80,7 +80,8 @@ CAPTURE_MIN_GAIN = 0.005  # below this oracle gain over static, a captured share
 class ExpertOptions:
     microbatches: int | None = None  # per replica per step; default the traced run's
     extra_slots: int = 0  # expert slots per rank beyond N / E, for copies
-    copies: int = 0  # extra copies of hot experts allowed per layer (dynmo, oracle)
+    copies: int = 0  # extra copies of hot experts the oracle may place per layer; 0: as many as the extra slots hold
+    # (dynmo, as the runtime, fills every extra slot)
     split: str = "fit"  # how a MoE layer's traced cost splits into its non-expert and expert parts
     a2a_bandwidth: float = A2A_BANDWIDTH
     a2a_latency: float = 0.0
@@ -252,6 +253,7 @@ class _Model:
             raise SimInputError(f"copies = {opts.copies} do not fit: the {ep} ranks have {ep * opts.extra_slots} extra "
                                 f"slots (extra_slots = {opts.extra_slots} each); give copies <= {ep * opts.extra_slots}")
         self.groups = dp // ep
+        self.copies = opts.copies or ep * opts.extra_slots  # the oracle's budget of copies
         ropts = ReplayOptions(microbatches=opts.microbatches)
         self.schedule, self.v = schedule_of(trace, ropts)
         if stages % self.v:
@@ -378,7 +380,7 @@ class _Model:
         return worst, float(np.mean(ratios))
 
     def place(self, loads: np.ndarray, current: Placement) -> Placement:
-        res = place_experts(loads, self.ep, extra_slots=self.opts.extra_slots, copies=self.opts.copies,
+        res = place_experts(loads, self.ep, extra_slots=self.opts.extra_slots, copies=self.copies,
                             max_nodes=PLACE_NODES)
         return align(current, res.placement, self.expert_bytes)
 
