@@ -190,10 +190,10 @@ def dispatch_ep(x: torch.Tensor, r: Routing, experts: nn.Module, num_experts: in
     P = ep.size
     K = len(experts.order) // P  # slots a rank
     holders = experts.holders.to(r.expert.device)
-    copies = experts.copies.to(r.expert.device)
-    if int(copies.max()) == 1:
+    if not experts.copied:
         where = holders[r.expert, 0]  # rank * K + slot of each kept assignment
     else:
+        copies = experts.copies.to(r.expert.device)
         per = torch.bincount(r.expert, minlength=num_experts)  # this replica's assignments per expert
         by = torch.argsort(r.expert, stable=True)
         first = torch.cumsum(per, 0) - per

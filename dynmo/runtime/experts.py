@@ -128,6 +128,7 @@ def set_order(mod: nn.Module, order: tuple[int, ...]) -> None:
     most = max(len(w) for w in where)
     mod.holders = torch.tensor([w + [-1] * (most - len(w)) for w in where], dtype=torch.long)
     mod.copies = torch.tensor([len(w) for w in where], dtype=torch.long)
+    mod.copied = tuple(e for e, w in enumerate(where) if len(w) > 1)  # the experts with copies, by index
 
 
 def num_experts(mod: nn.Module) -> int:
@@ -373,10 +374,10 @@ def reduce_copies(layers: dict[int, nn.Module]) -> None:
     ep = None
     for i in sorted(layers):
         for mod in expert_modules(layers[i]):
-            if getattr(mod, "ep", None) is None or int(mod.copies.max()) <= 1:
+            if getattr(mod, "ep", None) is None or not mod.copied:
                 continue
             ep = mod.ep
-            copied = [e for e in range(num_experts(mod)) if int(mod.copies[e]) > 1]
+            copied = mod.copied
             index = {e: k for k, e in enumerate(copied)}
             mine = local_experts(mod)
             rows = [(j, index[e]) for j, e in enumerate(mine) if e in index]
