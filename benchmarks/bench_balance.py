@@ -1,5 +1,7 @@
 """Decision time and bottleneck / optimum of every balancer, 48x8 up to 10,000x1,000 layers x stages.
 
+Produces the speed table in docs/bench/balancer-speed.md (linked from docs/balancers.md, "Speed").
+
     python benchmarks/bench_balance.py [--repeats 5] [--hetero] [--dominant]
 
 Costs are log-normal per layer (a dynamic model: pruned, frozen or MoE layers differ widely);

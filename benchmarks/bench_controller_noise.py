@@ -1,5 +1,7 @@
 """The controller under seeded noise: false migrations against reaction time (no model runs).
 
+Produces the table in docs/bench/controller-noise-tradeoff.md (linked from docs/controller.md).
+
     python benchmarks/bench_controller_noise.py [--seeds 20] [--steps 200]
 
 A 2-stage pipeline of the default model's shape as measured (configs/default.toml on 2 ranks:

@@ -1,5 +1,7 @@
 """How long one controller decision takes: the balancer generating, the simulated step time scoring.
 
+Produces the table in docs/bench/controller-decide-time.md (linked from docs/controller.md).
+
     python benchmarks/bench_decide.py [--repeats 3] [--replays dense-60,dense-moe-80]
 
 For each shape (layers x stages, microbatches = 4 x stages), a controller with `when = every`

@@ -1,6 +1,9 @@
 """Counted work vs measured time of the dynamic blocks (MoE, Mixture of Depths, hash-sparse
 attention), one block on one process and one thread, like one pipeline rank.
 
+Produces the tables in docs/bench/dynamic-blocks.md ("Counted work vs measured time, one block on
+one thread").
+
     python benchmarks/bench_dynamic_blocks.py [--repeats 7] [--d-model 256] [--seq-len 128] [--batch 4]
 
 Per case the routing / capacity / hashing is varied on purpose, and each row prints the block's

@@ -1,5 +1,7 @@
 """Real 2-rank runs on this machine: static uniform layout vs dynmo on the skewed model.
 
+Produces the table in docs/bench/controller-skewed-2ranks.md (linked from docs/controller.md).
+
     python benchmarks/bench_dynmo.py [--steps 40] [--repeats 2] [--config configs/skewed.toml]
 
 Each repeat trains the same model three times through the real launcher (`dynmo train

@@ -1,5 +1,8 @@
 """Experts placed by measured load against the static placement, in paired real runs.
 
+Produces the paired runs in docs/bench/expert-placement.md (linked from docs/dynamic-models.md,
+"Expert parallelism").
+
     python benchmarks/bench_expert_placement.py [--pairs 6] [--steps 40] [--skip 10] [--expert-slots S] [--out DIR]
 
 A MoE model (configs/moe.toml) on 2 ranks as 2 data-parallel replicas whose experts are spread

@@ -1,6 +1,9 @@
 """Injected link delay on 2 ranks: the link-aware balancer vs a compute-only one (the paper's
 network experiment, its Figure 7, real on this machine).
 
+Produces the table in docs/bench/controller-link-delay.md (linked from docs/controller.md, "Injected
+link delay").
+
     python benchmarks/bench_link_delay.py [--config configs/default.toml] [--steps 20]
         [--multipliers 0,1,2,4] [--directions both,forward] [--base-ms MS] [--settle 10]
         [--keep DIR] [-- extra dynmo train options]

@@ -1,5 +1,7 @@
 """Real 2-rank runs of the controller under the seeded noise injector (configs/noisy.toml's noise).
 
+Produces the runs in docs/bench/controller-noisy-runs.md (linked from docs/controller.md).
+
     python benchmarks/bench_noisy_runs.py [--seeds 10] [--steps 40] [--balanced-steps 0]
 
 1. skew + noise: the default model with the injector on and the skew of configs/skewed.toml

@@ -1,5 +1,7 @@
 """Real 2-rank runs: fp32 / bf16 x activation checkpointing off / on, on the default config.
 
+Produces the table in docs/bench/numerics.md (linked from docs/numerics.md).
+
     python benchmarks/bench_numerics.py [--steps 20] [--repeats 1] [--config configs/default.toml]
 
 Each repeat trains the model four times through the real launcher (`dynmo train --nproc 2`,

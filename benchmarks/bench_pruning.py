@@ -1,5 +1,8 @@
 """Pruning criteria on the default model: what the one global cut does to the model's loss.
 
+Produces the tables in docs/bench/pruning-criteria.md (linked from docs/shrinking-models.md, "The
+criterion").
+
     python benchmarks/bench_pruning.py [--steps 100] [--eval-every 10] [--only dense,magnitude,...]
 
 Trains `configs/pruning.toml` (the default GPT model, 2 pipeline ranks, pruning at steps 20,

@@ -1,5 +1,8 @@
 """Sharded against unsharded state, in real paired runs on this machine.
 
+Produces the table in docs/bench/sharding.md (linked from docs/numerics.md, "Sharded data
+parallelism").
+
     python benchmarks/bench_shard.py [--config configs/default.toml] [--pairs 6] [--steps 40]
                                      [--out runs/bench-shard] [-- extra dynmo train overrides]
 

@@ -1,5 +1,7 @@
 """Per-block forward + backward time of the three shrinking cases: pruning, freezing, early exit.
 
+Produces the tables in docs/bench/shrinking.md ("Per-block cost, one thread").
+
     OMP_NUM_THREADS=1 python benchmarks/bench_shrinking.py [--d-model 256] [--tokens 512] [--repeats 7]
 
 One process, one thread (like each pipeline rank), one transformer block of the default model

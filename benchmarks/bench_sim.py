@@ -1,5 +1,8 @@
 """Simulator speed at cluster scale, and replays of real traces at paper scale (prints tables).
 
+Produces, with --trace, the replays in docs/bench/simulator-paper-scale-replays.md; without it, the
+engine's speed at cluster scale that docs/simulator.md cites.
+
     python benchmarks/bench_sim.py                                   # speed table only
     python benchmarks/bench_sim.py --trace runs/skewed [--trace runs/moe.trace.jsonl ...] [--plots DIR]
 

@@ -1,5 +1,8 @@
 """`dynmo tensor features` against FeaTensor, whole command against whole command, side by side.
 
+Produces the table in docs/bench/tensor-features.md, and with --fixtures the FeaTensor fixtures
+tests/data/featensor that tests/test_tensor_features.py reads.
+
     python benchmarks/bench_tensor_features.py --featensor-src DIR [--out DIR] [--cases a,b] [--repeat 3]
     python benchmarks/bench_tensor_features.py --featensor-src DIR --fixtures tests/data/featensor
 

@@ -1,5 +1,7 @@
 """`dynmo tensor generate` against GenTensor: targets met, speed, siblings under CP-ALS.
 
+Produces the tables in docs/bench/tensor-generate.md (linked from docs/tensors.md).
+
     python benchmarks/bench_tensor_generate.py --gentensor-src DIR [--featensor-src DIR] [--out DIR]
                                                [--parts grid,speed,siblings] [--big 100e6]
 

@@ -1,5 +1,8 @@
 """Whole blocks against half blocks as placement units, in real paired runs on this machine.
 
+Produces the table in docs/bench/units.md ("Real 2-rank runs"; linked from docs/models.md,
+"Placement units").
+
     python benchmarks/bench_units.py [--config configs/skewed.toml] [--pairs 6] [--steps 60]
                                      [--out runs/bench-units] [-- extra dynmo train overrides]
 

@@ -1,5 +1,8 @@
 """One-device check of dynmo on a GPU: every model family and dynamic case, short bf16 runs, a report.
 
+Produces the GPU reports in docs/gpu/ (summarized in docs/gpu.md and docs/bench/gpu-check-h100.md);
+tests/test_gpu_check.py imports it.
+
     python benchmarks/gpu_check.py --out runs/gpu-check                        # one CUDA device
     python benchmarks/gpu_check.py --device cpu --tiny --out /tmp/gpu-check    # the same, tiny, on CPU
     python benchmarks/gpu_check.py --out DIR --cases gpt-moe,llama-dense       # some cases

@@ -1,5 +1,8 @@
 """How well pruned Linears' kernel times are predicted from their mask features, on a real run.
 
+Produces the table in docs/bench/prune-kernel-prediction.md (linked from docs/tensors.md, "Pruned
+weights").
+
     dynmo train --nproc 2 --config configs/pruning.toml --out runs/pruning --overwrite
     python benchmarks/prune_kernel_prediction.py runs/pruning [runs/other ...]
 
@@ -43,9 +46,9 @@ def rows(run: Path):
 
 
 def main(argv: list[str]) -> int:
-    if not argv:
+    if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
-        return 2
+        return 0 if argv else 2
     print(f"{'run':<24} {'step':>4} {'dense err med':>13} {'max':>6} {'csr err med':>11} {'max':>6} "
           f"{'ratio err med':>13} {'max':>6} {'same kernel':>11}")
     for arg in argv:

@@ -1,5 +1,8 @@
 """The paper-scale pruning replay with kernel costs measured on masks of the paper's layer sizes.
 
+Produces the tables in docs/bench/prune-paper-kernels.md (linked from docs/tensors.md, "At the
+paper's width").
+
     dynmo train --nproc 2 --config configs/pruning.toml --steps 120 --balance.when never \
         --out runs/pruning-static --overwrite
     python benchmarks/prune_paper_kernels.py runs/pruning-static [--width 1600] [--tokens N] \

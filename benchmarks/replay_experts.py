@@ -1,5 +1,8 @@
 """Expert placement under expert parallelism, replayed: static against dynmo against the oracle.
 
+Produces the tables in docs/bench/simulator-expert-placement.md (linked from docs/simulator.md,
+"Expert placement"); tests/test_sim_experts.py imports it.
+
     python benchmarks/replay_experts.py [TRACE.jsonl ...] [--ep 2,4,8] [--blocks 32 --stages 16 --dp 8
         --microbatches 64] [--layouts fixed|dynmo] [--extra-slots S --copies C] [--a2a-bandwidth B]
         [--seed N] [--json]

@@ -1,5 +1,7 @@
 """dynmo against the best static layout, replayed noise-free at the paper's shapes.
 
+Produces the tables in docs/bench/controller-vs-best-static.md (linked from docs/controller.md).
+
     python benchmarks/replay_headline.py [--traces docs/bench/traces] [--cases moe,dense-60]
 
 Every committed trace (a real 2-rank run's per-layer costs, `dynmo bench`'s static runs and the

@@ -1,5 +1,8 @@
 """Re-packing against keeping every worker, replayed at paper scale (pure, no torch).
 
+Produces the table in docs/bench/controller-repack.md (linked from docs/controller.md,
+"Re-packing").
+
     python benchmarks/replay_repack.py [--traces docs/bench/traces] [--cases mod,hashattn,moe,earlyexit]
 
 `dynmo bench`'s static traces of the shrinking and MoE-family cases, scaled to its shapes (16 x 8

@@ -1,5 +1,7 @@
 """Fair to the start: dynmo started on a layout against that layout left static, replayed noise-free.
 
+Produces the tables in docs/bench/controller-starts.md (linked from docs/controller.md).
+
     python benchmarks/replay_starts.py [--traces docs/bench/traces] [--cases moe,dense-60]
 
 The promise a user needs before turning dynmo on: started on the layout they would have fixed

@@ -1,6 +1,9 @@
 """Replay the committed bench traces under every policy dynmo offers, at the traced shape and at
 paper scale, and check the controller's promises.
 
+Produces the tables in docs/bench/controller-replay-traces.md (linked from docs/controller.md);
+--link-delays prints the replayed link-delay table docs/simulator.md describes.
+
     python benchmarks/replay_traces.py [--traces docs/bench/traces] [--paper-only]
                                        [--link-delays CASE [--link-base-s S] [--links 0,1]]
 

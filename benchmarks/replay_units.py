@@ -1,5 +1,8 @@
 """What finer placement units buy: one sublayer trace replayed with block units and with sublayer units.
 
+Produces the tables in docs/bench/simulator-sublayer-units.md (linked from docs/simulator.md,
+"Sublayer traces"); tests/test_sim_units.py imports it.
+
     python benchmarks/replay_units.py TRACE.jsonl [TRACE2.jsonl ...] [--blocks 48 --stages 24 --dp 30 --microbatches 96]
 
 Each trace comes from a run with `parallel.unit = "sublayer"`; it is scaled to --blocks blocks and

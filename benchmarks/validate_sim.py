@@ -1,5 +1,8 @@
 """Validate the simulator against real 2-rank runs: measured vs simulated iteration time.
 
+Produces the tables in docs/bench/simulator-validation.md (linked from docs/simulator.md,
+"Validation against real 2-rank runs").
+
     OMP_NUM_THREADS=1 python benchmarks/validate_sim.py [--steps 12] [--out runs/validate-sim] [--reuse]
 
 For each configuration (d_model 256, so compute dominates; GPipe, 1F1B, 1F1B with an injected

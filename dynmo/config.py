@@ -165,7 +165,7 @@ class BalanceConfig:
     # predicted saving cannot be told from the model's own error
     min_gain: float = 0.01
     horizon: int = 50  # auto: steps over which the saving must repay the migration
-    # auto's evidence (docs/controller.md measures the trade-off): how sure it must be that a saving
+    # auto's evidence (docs/bench/controller-noise-tradeoff.md measures the trade-off): how sure it must be that a saving
     # is not the steps' noise (higher: fewer false migrations, slower to react), and how many fresh
     # steps must confirm a proposed move (0: move on the window's evidence alone)
     confidence: float = 0.95

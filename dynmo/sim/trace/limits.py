@@ -1,7 +1,7 @@
 """What a trace (or a run folder's metrics.jsonl) and the simulator may ask for, and the error
 for a trace that is over a limit or cannot be read.
 
-docs/simulator.md, "Limits and exit codes", gives the memory of the worst allowed inputs. Readers
+docs/bench/simulator-limits.md gives the memory of the worst allowed inputs. Readers
 use these as `limits.MAX_...` at call time, so a test can lower one with monkeypatch.
 """
 
