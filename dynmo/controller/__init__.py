@@ -51,8 +51,8 @@ to that noise looks better than it is (the winner's curse). So `auto` moves laye
     (`judge.judge_migration`): a migration that made the step slower by more than the step
     times' own noise is undone, its layout is never chosen again in the run, and the margin
     doubles.
-Replayed figures and the trade-off between reaction time and false moves are in
-docs/controller.md.
+Replayed figures and the trade-off between reaction time and false moves are in the
+records docs/controller.md links (docs/bench/controller-*.md).
 
 Re-packing (`repack=True`, paper Algorithm 1's optional step): when the model has shrunk (the
 forecast total cost fell by `repack_shrink` below the largest seen: workers come back only
@@ -82,7 +82,9 @@ The decision, step by step (`Controller.decide`), each step in its own module:
   evidence  `auto`: the gain significant on the observed steps, then on fresh steps (`evidence`)
 The step-time model (`steptime`), how the controller scores layouts with it on the forecast
 and on each observed step (`scoring`), and the migration cost model (`migration`) are what
-every step compares with.
+every step compares with. The `Controller` (`core`) keeps the state and runs the steps; its
+mixins hold them: the proposals (`rebalancing`), the re-pack and the grow (`packing`), and
+`auto`'s defences that span steps, large changes and the migration judge (`safeguards`).
 """
 
 from dynmo.controller.core import CONFIRM, JUDGE, RESTART_S, Controller, Decision

@@ -1,7 +1,10 @@
 """The `Controller`: the state of the DynMo loop's decisions, and `decide` as a sequence of named steps.
 
 The policy and its reasons are in the package docstring (`dynmo.controller`); each step's
-judgement lives in its own module (`evidence`, `judge`, `repack`, `migration`, `steptime`).
+judgement lives in its own module (`evidence`, `judge`, `repack`, `migration`, `steptime`), and
+the `Controller`'s own steps in its mixins: the proposals (`rebalancing.Rebalancing`), the re-pack
+and the grow (`packing.Packing`), `auto`'s defences that span steps (`safeguards.Safeguards`) and
+the scoring of layouts (`scoring.Scoring`). What it decides is a `Decision` (`decision`).
 """
 
 from __future__ import annotations
@@ -10,17 +13,18 @@ from collections import deque
 from dataclasses import dataclass, field
 from statistics import median
 
-from dynmo.balance import BalanceError, Problem
 from dynmo.config import BalanceConfig
-from dynmo.controller import candidates, evidence, migration
+from dynmo.controller import evidence, migration
+from dynmo.controller.decision import Decision
 from dynmo.controller.evidence import CONFIRM
 from dynmo.controller.judge import JUDGE, Judge
 from dynmo.controller.migration import MIGRATION_BANDWIDTH, MIGRATION_FIXED_S
-from dynmo.controller.repack import grow, repack
+from dynmo.controller.packing import Packing
+from dynmo.controller.rebalancing import Rebalancing
+from dynmo.controller.safeguards import Safeguards
 from dynmo.controller.scoring import HistoryTimes, Scoring
 from dynmo.controller.steptime import StepModel
 from dynmo.layout import Layout
-from dynmo.plan import named_layout
 
 __all__ = ["CONFIRM", "JUDGE", "RESTART_S", "Controller", "Decision"]
 
@@ -30,21 +34,7 @@ RESTART_S = 60.0
 
 
 @dataclass
-class Decision:
-    layout: Layout
-    predicted_bottleneck: float  # seconds per microbatch on the slowest stage, new layout
-    current_bottleneck: float  # same, current layout, under the same forecast
-    predicted_gain_s: float  # over the horizon
-    predicted_cost_s: float  # migration
-    released: int = 0  # pipeline positions released by a re-pack (per replica)
-    predicted_step_s: float = 0.0  # step time of the new layout (`step_time`), under the forecast
-    current_step_s: float = 0.0  # the same, current layout
-    reason: str = ""  # "rebalance", "repack" or "revert" (a migration that lost, undone)
-    best_step_s: float = 0.0  # a re-pack: the step time of the best layout on every worker the run started with
-
-
-@dataclass
-class Controller(Scoring):
+class Controller(Rebalancing, Packing, Safeguards, Scoring):
     """The decision core: a forecast of per-layer cost and the triggers of `dynmo.controller`.
     `cfg` holds the knobs (`[balance]`: when, every, balancer, window, min_gain, horizon, repack,
     repack_tolerance, memory_gb)."""
@@ -135,33 +125,6 @@ class Controller(Scoring):
         if judged and t_step > 0:
             self.judge.observe(step_s / t_step, layer_costs)
 
-    def _large_change(self, t: float, layout: Layout) -> None:
-        """A step whose time departs from the forecast's by far more than the steps before it did
-        (`evidence.large_change`), followed by a step that departs as far the same way, restarts
-        the evidence at the first of them: the steps before describe another model. The forecast
-        of before is kept, to prefer layouts that survive a reversal."""
-        past = self.history_times([layout])[0]
-        ref = median(past[-self.cfg.window:])
-        rel = t / ref - 1 if ref > 0 else 0.0
-        if self.suspect is not None:  # the step before departed far: does this one agree?
-            ref0, sign, before = self.suspect
-            self.suspect = None
-            if evidence.confirms_large(t / ref0 - 1 if ref0 > 0 else 0.0, sign):
-                first = self.history[-1]
-                self.history.clear()
-                self.history.append(first)
-                self.large = before
-                self.proposal = self.searched = self.steady = None
-                self.epoch = self.observed - 1
-                # as an announced change: nothing to judge across it, and a layout that lost
-                # before may win now; the change's two steps are not the noise's spread
-                self.judge.forget()
-                self.lost.clear()
-                self.jumps.pop()
-                return
-        elif evidence.large_change(rel, self.jumps, self.cfg.window):
-            self.suspect = (ref, 1 if rel > 0 else -1, self.forecast())
-        self.jumps.append(abs(rel))
 
     def observe_migration(self, nbytes: int, seconds: float) -> None:
         """Refit the migration cost model from a measured migration."""
@@ -224,206 +187,3 @@ class Controller(Scoring):
                 return False
             self.pending = False
         return True
-
-    def _rebalance(self, step: int, costs: list[float], current: Layout, layer_bytes: list[int],
-                   steps_left: int) -> Decision | None:
-        """The balancer's layout for the forecast, if the step falls by the margin and repays the
-        migration over the horizon; with `auto`, only on the window's and fresh steps' evidence,
-        and failing that, the optimum of all the observed steps (`steady`) on all their evidence."""
-        c = self.cfg
-        problem = self.problem(costs, current.num_stages, current)
-        # the local search runs once a window; in between its last result stays a candidate
-        search = self.observed % c.window == 0 or self.searched is None
-        known = (self.searched,) if self.searched is not None and not search else ()
-        if c.when == "auto":
-            known = (*known, *self.prior_layouts(problem, current.num_stages))
-        scored: dict[tuple, float] = {}  # the candidates' step times, current's included
-
-        def steps_of(pr: Problem, layouts: list[Layout]) -> list[float]:
-            times = self.steps_s(pr, layouts)
-            scored.update(zip((lay.boundaries for lay in layouts), times))
-            return times
-
-        new, t_new = candidates.best_layout(problem, c.balancer, current, steps_of, search, known)
-        if search:
-            self.searched = new
-        t_now = scored[current.boundaries] if current.boundaries in scored else self.step_s(problem, current)
-        horizon = max(0, min(c.horizon, steps_left))
-
-        def options():
-            yield new, t_now, t_new
-            if c.when == "auto" and len(self.history) > c.window:
-                yield self._steady_option(current, search)
-
-        rejected = False  # a candidate failed the margin, the repayment or the evidence
-        confidence = self.confidence_now()
-        for cand, t_old, t_cand in options():
-            if cand is None or cand == current or cand.boundaries in self.lost:
-                continue
-            rejected = True
-            margin = self.margin
-            if c.when == "auto" and step - self.left.get(cand.boundaries, -10**9) <= c.horizon:
-                margin *= 2  # going back to a layout left within the horizon needs twice the evidence
-            if t_old - t_cand < margin * t_old or (t_old - t_cand) * horizon <= self.migration_cost(layer_bytes, current, cand):
-                continue
-            if c.when != "auto":
-                return self._rebalanced(step, problem, current, cand, t_old, t_cand, horizon, layer_bytes)
-            if cand is new and self._announced_window() and evidence.announced(
-                    self.per_step_gains(current, cand), c.window, margin, confidence):
-                self.changed_at, self.proposal = 0, None  # once per change
-                return self._rebalanced(step, problem, current, cand, t_old, t_cand, horizon, layer_bytes)
-            if not evidence.supported(self.per_step_gains(current, cand), c.window, margin, confidence):
-                continue
-            chosen, self.proposal = evidence.confirmed(self.proposal, self.observed, len(self.history), c.window,
-                                                       current, cand, margin, lambda p: self.per_step_gains(current, p),
-                                                       c.confirm, confidence)
-            if chosen is None:
-                return None
-            if chosen != cand:  # an earlier proposal, confirmed: its step times under this forecast
-                t_old = t_now
-                t_cand = scored[chosen.boundaries] if chosen.boundaries in scored else self.step_s(problem, chosen)
-            return self._rebalanced(step, problem, current, chosen, t_old, t_cand, horizon, layer_bytes)
-        if rejected:
-            self.proposal = None
-        return None
-
-    def prior_layouts(self, problem: Problem, stages: int) -> tuple[Layout, ...]:
-        """uniform's layout and those of `priors` on `stages` stages, each within the memory cap."""
-        if stages not in self.prior_memo:
-            units = len(problem.costs)
-            lays = [named_layout("uniform", units, stages)] if units >= stages else []
-            for name, costs in self.priors.items():
-                if costs is not None and len(costs) == units >= stages:
-                    try:
-                        lays.append(named_layout(name, units, stages, layer_params=costs, flops=costs))
-                    except BalanceError:  # DeepSpeed's partition refuses problems beyond its size limit
-                        continue
-            self.prior_memo[stages] = tuple(dict.fromkeys(lays))
-        return tuple(lay for lay in self.prior_memo[stages] if candidates.fits(problem, lay))
-
-    def confidence_now(self) -> float:
-        """`balance.confidence` spread over the looks at the evidence since it last started afresh
-        (the run's start, a migration, an announced change): the tests run at every step, on
-        overlapping steps, and each block of EVIDENCE_STEPS steps is one more chance for noise
-        to pass them, so the k-th block's tests run at 1 - (1 - confidence) / k (Bonferroni). A
-        model that changes and says so, or a migration, starts it again at `confidence`."""
-        blocks = max(1, -(-(self.observed - self.epoch) // evidence.EVIDENCE_STEPS))
-        return 1 - (1 - self.cfg.confidence) / blocks
-
-    def _after_large_change(self, step: int, costs: list[float], current: Layout, layer_bytes: list[int],
-                            steps_left: int) -> Decision | None:
-        """Two steps of a large change are evidence enough (`evidence.large_change`): the best
-        layout under their costs, if it saves the margin and repays the migration; among the
-        layouts within the margin of it, the one fastest under the forecast of before the change,
-        so that a reversal of the change finds the run on a layout still good. Once: the
-        following steps are judged by the usual evidence."""
-        before, self.large = self.large, None
-        problem = self.problem(costs, current.num_stages, current)
-        best, t_best = candidates.best_layout(problem, self.cfg.balancer, current, self.steps_s)
-        near = [lay for lay in [best, *candidates.neighbours(problem, best)]
-                if lay != current and lay.boundaries not in self.lost]
-        times = self.steps_s(problem, near + [current])  # one pass: the candidates and the current layout
-        t_now = times.pop()
-        near = [(lay, t) for lay, t in zip(near, times) if t <= t_best * (1 + self.margin)]
-        if not near:
-            return None
-        new, t_cand = near[0]
-        if before is not None and len(near) > 1:
-            old = self.steps_s(self.problem(before, current.num_stages, current), [lay for lay, _ in near])
-            new, t_cand = near[min(range(len(near)), key=lambda i: old[i])]
-        horizon = max(0, min(self.cfg.horizon, steps_left))
-        if t_now - t_cand < self.margin * t_now or (t_now - t_cand) * horizon <= self.migration_cost(layer_bytes, current, new):
-            return None
-        return self._rebalanced(step, problem, current, new, t_now, t_cand, horizon, layer_bytes)
-
-    def _announced_window(self) -> bool:
-        """The window holds the first `window` steps from the announced change's step, or from
-        the step after it (`evidence.announced`)."""
-        since = self.observed - self.changed_at + 1  # steps observed from the change's step on
-        return self.cfg.when == "auto" and self.changed_at > 0 and self.cfg.window <= since <= self.cfg.window + 1
-
-    def _steady_option(self, current: Layout, search: bool) -> tuple[Layout | None, float, float]:
-        """(the optimum of the per-layer median over every observed step, the mean step time of
-        `current` and of it over those steps). A gain of a few percent under noise needs more
-        steps than the window to stand out, and the window's own optimum moves with the window's
-        noise; this one holds still while the evidence gathers. Searched once a window."""
-        if search or self.steady is None or self.steady.num_stages != current.num_stages:
-            long = [median(col) for col in zip(*self.history)]
-            self.steady, _ = candidates.best_layout(self.problem(long, current.num_stages, current), self.cfg.balancer,
-                                                    current, self.steps_s, search=True)
-        if self.steady == current:
-            return None, 0.0, 0.0
-        old_t, new_t = self.history_times([current, self.steady])
-        return self.steady, sum(old_t) / len(old_t), sum(new_t) / len(new_t)
-
-    def _rebalanced(self, step: int, problem: Problem, current: Layout, new: Layout, t_now: float, t_new: float,
-                    horizon: int, layer_bytes: list[int]) -> Decision:
-        loads = problem.loads_of_assignment
-        return self._decided(step, current, Decision(
-            new, max(loads(new.owner())), max(loads(current.owner())), (t_now - t_new) * horizon,
-            self.migration_cost(layer_bytes, current, new), predicted_step_s=t_new, current_step_s=t_now,
-            reason="rebalance"))
-
-    def _decided(self, step: int, current: Layout, d: Decision) -> Decision:
-        """Remember what a decision left and what it predicted, to judge it once measured."""
-        self.left[current.boundaries] = step
-        self.judge.expect(current, d.layout, d.released > 0)
-        return d
-
-    def _judge_last_migration(self, current: Layout, layer_bytes: list[int], steps_left: int) -> Decision | None:
-        """A migration that lost doubles the margin; a rebalance that lost is undone and its
-        layout never chosen again in the run (a re-pack or a grow that lost only raises the
-        margin: undoing one is a restart or a release, not a migration)."""
-        judged = self.judge.verdict(current, self.cfg.min_gain, self.cfg.repack_tolerance, self._steps_under)
-        if judged is None or not judged[1].lost:
-            return None
-        chk, v = judged
-        self.margin = max(2 * self.margin, 0.02)
-        if chk.repack or chk.old.num_stages != current.num_stages:
-            return None
-        self.lost.add(current.boundaries)
-        cost = self.migration_cost(layer_bytes, current, chk.old)
-        return Decision(chk.old, 0.0, 0.0, (v.t_new - v.t_old) * max(0, min(self.cfg.horizon, steps_left)), cost,
-                        predicted_step_s=v.t_old, current_step_s=v.t_new, reason="revert")
-
-    def _grow(self, step: int, costs: list[float], current: Layout, layer_bytes: list[int],
-              steps_left: int) -> Decision | None:
-        """The released workers back, through a checkpoint restart (`repack.grow`)."""
-        horizon = max(0, min(self.cfg.horizon, steps_left))
-        self._prune_memo()
-        cost = self.restart_s  # the layers come back from the checkpoint the restart reads
-        g = grow(self.cfg, costs, current, self.widest, self.problem, self.steps_s, list(self.history), horizon, cost,
-                 self.repack_memo)
-        if g is None:
-            return None
-        problem = self.problem(costs, self.widest)
-        return self._decided(step, current, Decision(
-            g.layout, max(problem.loads_of_assignment(g.layout.owner())),
-            max(self.problem(costs, current.num_stages, current).loads_of_assignment(current.owner())),
-            (g.current_step_s - g.step_s) * horizon, cost, predicted_step_s=g.step_s, current_step_s=g.current_step_s,
-            reason="grow"))
-
-    def _prune_memo(self) -> None:
-        """What the re-pack's and the grow's memo holds for steps that left the history goes."""
-        keep = {tuple(c) for c in self.history}
-        self.repack_memo = {key: t for key, t in self.repack_memo.items() if key[0] in keep}
-
-    def observe_restart(self, seconds: float) -> None:
-        """A grow's restart was measured: the next one is priced at it."""
-        if seconds > 0:
-            self.restart_s = seconds
-
-    def _repack(self, step: int, costs: list[float], current: Layout, layer_bytes: list[int],
-                steps_left: int) -> Decision | None:
-        self._prune_memo()
-        r = repack(self.cfg, costs, current, self.peak_total, self.problem, self.steps_s, list(self.history),
-                   self.microbatches, self.widest, self.repack_memo)
-        if r is None:
-            return None
-        problem = self.problem(costs, current.num_stages, current)
-        t_now = self.step_s(problem, current)
-        gain = (t_now - r.step_s) * max(0, min(self.cfg.horizon, steps_left))
-        return self._decided(step, current, Decision(
-            r.layout, r.bottleneck, max(problem.loads_of_assignment(current.owner())), gain,
-            self.migration_cost(layer_bytes, current, r.layout), released=current.num_stages - r.layout.num_stages,
-            predicted_step_s=r.step_s, current_step_s=t_now, reason="repack", best_step_s=r.best_step_s))
