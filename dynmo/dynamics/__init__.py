@@ -6,7 +6,8 @@
     skew.py        injected, known imbalance (extra MLP work, math unchanged)
     earlyexit.py   CALM-style early exit of tokens
     freeze.py      Egeria-style layer freezing
-    prune.py       gradual global magnitude pruning (topk.py: the distributed global top-k)
+    prune.py       gradual global magnitude pruning (topk.py: the distributed global top-k;
+                   prunekernel.py: each pruned block's kernel, masked dense or CSR)
 
 The dynamic *blocks* (MoE, Mixture of Depths, hash attention) are model code: `dynmo.model`.
 """

@@ -40,9 +40,9 @@ otherwise move a freshly pruned weight).
 
 Compute shrinks with density: each pruned block runs its Linears with the masked dense or the
 CSR kernel of `dynmo.model.sparse`, picked by measurement after every pruning step
-(`prune.kernel = "auto"`) or fixed (`dense`, `csr`). Both kernels compute the same
-function; the choice (and the two measured times) per block is in the metrics. Data-parallel
-replicas sum their measurements so they pick alike.
+(`prune.kernel = "auto"`; `dynmo.dynamics.prunekernel`) or fixed (`dense`, `csr`). Both
+kernels compute the same function; the choice (and the two measured times) per block is in the
+metrics. Data-parallel replicas sum their measurements so they pick alike.
 
 Half-block units (`parallel.unit = "sublayer"`): each half prunes the Linears it holds, under
 the same global cut and tie-break keys as its whole block, so the masks are those of whole
@@ -73,7 +73,6 @@ steps; absent at the first).
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -92,10 +91,10 @@ from dynmo.dynamics.prunemask import (
     unit_scores,
     weight_masks,
 )
+from dynmo.dynamics.prunekernel import KernelChoice
 from dynmo.dynamics.topk import group_sum
 from dynmo.model.layers import block_class
-from dynmo.model.sparse import KERNELS, PrunedLinear, set_mask, time_kernels
-from dynmo.tensor.matrix import MATRIX_STATS, KernelModel, KernelSample, matrix_features
+from dynmo.model.sparse import KERNELS, PrunedLinear, set_mask
 
 # the public names, with the scoring and the cut of prunemask that callers import from here
 __all__ = ["PRUNABLE", "SCORINGS", "Prune", "check_options", "floor_count", "keep_with_floor", "scores", "shrink_mlp",
@@ -193,20 +192,13 @@ class Prune(Case):
         super().__init__(host)
         check_options(self.opts, host.cfg.model)
         m = host.cfg.model
-        self.rows = host.microbatch * m.seq_len  # tokens per microbatch: the timing input
         with torch.device("meta"):  # the block as built, to count what pruning starts from
             block = block_class(m)(m)
         self.names: tuple[str, ...] = block.prunable
         self.sizes = {n: block.get_submodule(n).weight.numel() for n in self.names}  # as built
         self.full_size = sum(self.sizes.values())  # Linear weights of one block
         self.full_hidden = block.mlp.fc.out_features if self.opts.structured else 0
-        self.kernel: dict[int, str] = {}  # layer index -> chosen kernel (unstructured, after pruning)
-        self.timings: dict[int, dict[str, float]] = {}
-        # layer index -> the pruned Linears' mask features, in `names` order: rows then cols,
-        # MATRIX_STATS each; and the kernel times the model predicted before they were measured
-        self.features: dict[int, list[float]] = {}
-        self.predicted: dict[int, dict[str, float]] = {}
-        self.kernel_model = KernelModel()  # fitted on this rank's measurements, step after step
+        self.kernels = KernelChoice(host, self.opts, host.microbatch * m.seq_len)
         self.sparsity = 0.0
         self.hidden: list[int] | None = None  # structured: every block's MLP width, model-wide
 
@@ -270,52 +262,16 @@ class Prune(Case):
                 "scoring": self.opts.scoring, "min_density": self.opts.min_density}
 
     def _apply_masks(self, blocks: dict[int, nn.Module], per_block: dict[int, dict[str, torch.Tensor]]) -> None:
-        self._choose_kernels(blocks, per_block)
+        self.kernels.choose(blocks, per_block)
         for i, ms in per_block.items():
             for name, mask in ms.items():
-                set_mask(blocks[i], name, mask, self.kernel[i])
+                set_mask(blocks[i], name, mask, self.kernels.kernel[i])
 
     def _clear_state(self, p: torch.Tensor, mask: torch.Tensor) -> None:
         st = self.host.optimizer_state(p)
         for k in ("exp_avg", "exp_avg_sq"):
             if st and k in st:
                 st[k].mul_(mask)
-
-    def _choose_kernels(self, blocks: dict[int, nn.Module], per_block: dict[int, dict[str, torch.Tensor]]) -> None:
-        t = torch.zeros(self.host.num_layers, 4, dtype=torch.float64)  # dense, csr measured; predicted
-        samples = []
-        for i, ms in per_block.items():
-            feats: list[float] = []
-            predicted = self.opts.kernel == "auto" and all(self.kernel_model.ready(k) for k in KERNELS)
-            for name, mask in ms.items():
-                rows, cols = (int(d) for d in mask.shape)
-                per_row = mask.sum(1).cpu().numpy()
-                f = matrix_features(per_row, mask.sum(0).cpu().numpy())
-                feats += [f[side][k] for side in ("rows", "cols") for k in MATRIX_STATS]
-                if self.opts.kernel != "auto":
-                    continue
-                sample = KernelSample(rows, cols, int(per_row.sum()), int(per_row.max()), self.rows)
-                if predicted:  # priced from the mask's features before the kernels run
-                    t[i, 2] += self.kernel_model.predict(sample, "dense")
-                    t[i, 3] += self.kernel_model.predict(sample, "csr")
-                r = time_kernels(blocks[i].get_submodule(name), mask, self.rows, dtype=self.host.dtype)
-                samples.append(replace(sample, seconds=r))
-                t[i, 0] += r["dense"]
-                t[i, 1] += r["csr"]
-            self.features[i] = feats
-            if predicted:
-                self.predicted[i] = {"dense": float(t[i, 2]), "csr": float(t[i, 3])}
-        if self.opts.kernel == "auto":
-            self.kernel_model.add(samples)
-            if self.host.replica_group is not None:  # replicas pick alike
-                group_sum(t, self.host.replica_group)
-                t /= self.host.replicas
-        for i in per_block:
-            if self.opts.kernel == "auto":
-                self.kernel[i] = "csr" if t[i, 1] < t[i, 0] else "dense"
-                self.timings[i] = {"dense": float(t[i, 0]), "csr": float(t[i, 1])}
-            else:
-                self.kernel[i] = self.opts.kernel
 
     def _prune_structured(self, step: int, s: float) -> dict:
         host = self.host
@@ -356,17 +312,7 @@ class Prune(Case):
                 macs += nnz if isinstance(lin, PrunedLinear) and lin.kernel == "csr" else lin.weight.numel()
             out.setdefault("prune_density", {})[i] = live / sum(self.sizes[n] for n in linears(block, self.names))
             out.setdefault("prune_macs_per_token", {})[i] = macs
-            out.setdefault("prune_kernel", {})[i] = float(self.kernel.get(i, "dense") == "csr")
-            if i in self.timings:
-                out.setdefault("prune_dense_ms", {})[i] = 1e3 * self.timings[i]["dense"]
-                out.setdefault("prune_csr_ms", {})[i] = 1e3 * self.timings[i]["csr"]
-            if i in self.predicted:
-                out.setdefault("prune_dense_pred_ms", {})[i] = 1e3 * self.predicted[i]["dense"]
-                out.setdefault("prune_csr_pred_ms", {})[i] = 1e3 * self.predicted[i]["csr"]
-            if i in self.features:  # one list per statistic: a value per pruned Linear, `prunable` order
-                n = len(MATRIX_STATS)
-                for k, (side, stat) in enumerate((s, m) for s in ("rows", "cols") for m in MATRIX_STATS):
-                    out.setdefault(f"prune_{side}_{stat}", {})[i] = self.features[i][k::2 * n]
+            self.kernels.stats(i, out)
             if self.opts.structured and getattr(block, "mlp", None) is not None:
                 out.setdefault("prune_hidden", {})[i] = block.mlp.fc.out_features
         return out
@@ -380,29 +326,10 @@ class Prune(Case):
             mask = mask_of(lin)
             if mask is not None:
                 out[f"mask.{name}"] = mask.bool()
-        if index in self.kernel:
-            out["kernel"] = torch.tensor([KERNELS.index(self.kernel.pop(index))])
-        if index in self.timings:
-            tm = self.timings.pop(index)
-            out["timings"] = torch.tensor([tm["dense"], tm["csr"]], dtype=torch.float64)
-        if index in self.predicted:
-            tm = self.predicted.pop(index)
-            out["predicted"] = torch.tensor([tm["dense"], tm["csr"]], dtype=torch.float64)
-        if index in self.features:
-            out["features"] = torch.tensor(self.features.pop(index), dtype=torch.float64)
-        return out
+        return out | self.kernels.pack(index)
 
     def unpack_layer(self, index: int, layer: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-        if "kernel" in tensors:
-            self.kernel[index] = KERNELS[int(tensors["kernel"])]
-        if "timings" in tensors:
-            d, c = tensors["timings"].tolist()
-            self.timings[index] = {"dense": d, "csr": c}
-        if "predicted" in tensors:
-            d, c = tensors["predicted"].tolist()
-            self.predicted[index] = {"dense": d, "csr": c}
-        if "features" in tensors:
-            self.features[index] = tensors["features"].tolist()
+        self.kernels.unpack(index, tensors)  # first: the masks below are set under the block's kernel
         for key, mask in tensors.items():
             if key.startswith("mask."):
-                set_mask(layer, key[5:], mask, self.kernel.get(index, "dense"))
+                set_mask(layer, key[5:], mask, self.kernels.of(index))

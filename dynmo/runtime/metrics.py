@@ -81,7 +81,7 @@ class MetricsLog:
             s += f" | val {rec.val_loss:.4f}"
         for ev in rec.events:
             if ev["type"] == "migration":
-                s += f"\n      migrated {ev['layers_moved']} layers {ev['old']} -> {ev['new']} ({ev['bytes'] / 1e6:.2f} MB, {ev['seconds'] * 1e3:.1f} ms)"
+                s += f"\n      migrated {ev['layers_moved']} unit{'' if ev['layers_moved'] == 1 else 's'} {ev['old']} -> {ev['new']} ({ev['bytes'] / 1e6:.2f} MB, {ev['seconds'] * 1e3:.1f} ms)"
             elif ev["type"] == "grow":
                 s += (f"\n      grew {ev['stages'][0]} -> {ev['stages'][1]} stages {ev['old']} -> {ev['new']} by a restart "
                       f"({ev['restart_s']:.1f} s from the decision: checkpoint {ev['checkpoint_s']:.2f} s, "

@@ -6,6 +6,9 @@ after a re-layout is the same computation as without it (bitwise on CPU), becaus
   - every layer is built from its own seed and named by a stable name,
   - AdamW updates each parameter independently of how parameters are grouped,
   - the gradient norm is summed per layer in layer order, not per stage.
+
+What it builds (layers, stages, the schedule) is built in `dynmo.runtime.build`; a re-pack's new
+groups and the moves of experts are in `dynmo.runtime.relayout`.
 """
 
 from __future__ import annotations
@@ -19,16 +22,15 @@ import torch.nn as nn
 from dynmo import plan
 from dynmo.config import Config
 from dynmo.layout import Layout, LayoutError
-from dynmo.model.gpt import loss_fn
-from dynmo.model.hf import HFReader, load_layer
-from dynmo.model.layers import LayerSpec, build_layer, empty_layer, half_carry, layer_specs
+from dynmo.model.layers import LayerSpec, half_carry, layer_specs
 from dynmo.runtime import experts, fsdp, grads, optim, zero
+from dynmo.runtime.build import build_layers, build_schedule, build_stages
 from dynmo.runtime.dist import DistContext
 from dynmo.runtime.memory import PeakMemory
-from dynmo.runtime.schedules import schedule_class
+from dynmo.runtime.relayout import regroup, released_ranks, replace_experts
 from dynmo.runtime.tie import tied_embeddings
 from dynmo.schedules import get_schedule, in_flight, stage_to_rank
-from dynmo.runtime.stage import StageModule, TimedPipelineStage, boundary_bools, example_io
+from dynmo.runtime.stage import TimedPipelineStage
 from dynmo.runtime.migration import MigrationReport, exchange_layers
 
 
@@ -48,6 +50,26 @@ class StepResult:
     layer_state_bytes: dict[int, int] = field(default_factory=dict)  # weights + grads + optimizer state
     profile_s: float = 0.0  # host seconds in the profiler's bookkeeping (saved-tensor accounting)
     peak_bytes: int = 0  # this rank's measured peak memory in the step (dynmo.runtime.memory); 0 = unknown
+
+    @classmethod
+    def of_stages(cls, stages: list[TimedPipelineStage], losses: list[torch.Tensor], t0: float, schedule_s: float,
+                  grad_norm: float, state_bytes: dict[int, int], memory: PeakMemory) -> StepResult:
+        """The step's result, read from the stages when it ends. The losses are read first: on an
+        accelerator that waits for the step, so `step_s` (from `t0`) counts all of it."""
+        return cls(
+            loss_sum=float(sum(l.item() for l in losses)),
+            loss_count=len(losses),
+            schedule_s=schedule_s,
+            step_s=time.perf_counter() - t0,
+            stage_compute_s={st.stage_index: st.compute_s for st in stages},
+            layer_times={i: t for st in stages for i, t in st.submod.layer_times().items()},
+            grad_norm=grad_norm,
+            layer_costs={i: c for st in stages for i, c in st.submod.layer_costs().items()},
+            layer_act_bytes={i: b for st in stages for i, b in st.submod.layer_act_bytes().items()},
+            layer_state_bytes=state_bytes,
+            profile_s=sum(st.submod.profile_s for st in stages),
+            peak_bytes=memory.peak(),
+        )
 
 
 def compute_dtype(cfg: Config) -> torch.dtype:
@@ -75,41 +97,19 @@ class Pipeline:
         self.norm_slots = grads.NormSlots(self.specs, cfg.model)  # the gradient norm per model layer
         self.memory = PeakMemory(ctx.device)
         self.released = False  # set when a re-pack took all this rank's layers away
-        self.hf_read: tuple[int, int] | None = None  # tensors and bytes read from model.hf_path
         # parallel.shard = "full": every unit sharded over this stage's replicas (dynmo.runtime.fsdp)
         self.mesh = fsdp.mesh_of(ctx.dp_group, ctx.device) if cfg.parallel.shard == "full" else None
         # parallel.ep > 1: every MoE layer keeps only this rank's experts (dynmo.runtime.experts)
         self.ep = experts.group_of(ctx, slots=cfg.parallel.expert_slots)
-        self.layers: dict[int, nn.Module] = self._build_layers(self._my_layers(layout))
+        self.layers: dict[int, nn.Module]
+        self.hf_read: tuple[int, int] | None  # tensors and bytes read from model.hf_path
+        self.layers, self.hf_read = build_layers(cfg, ctx.device, self.specs, self._my_layers(layout), self.ep, self.mesh)
         self.tie = tied_embeddings(cfg.model, self.specs, ctx, self.placement)  # None unless model.tie_embeddings
         self.optimizer = self._new_optimizer()
         # objects with prepare_layer/pack_layer/unpack_layer (dynamic-model cases): the per-layer
         # structure and state that must travel with a migrating layer
         self.layer_extras: list = []
         self._build_schedule()
-
-    def _build_layers(self, indices: list[int]) -> dict[int, nn.Module]:
-        """This rank's layers at start-up: seeded from (seed, index), or read from a Hugging Face
-        checkpoint (`model.hf_path`: only these layers' tensors are read). With
-        `parallel.shard = "full"` each is sharded as soon as it is built, so a rank holds one
-        whole layer at a time."""
-        m, dev = self.cfg.model, self.ctx.device
-
-        def placed(layer: nn.Module, i: int) -> nn.Module:
-            # built whole (the same weights), then this rank's experts under the layer's placement
-            layer = experts.localize(layer, self.ep, self.specs[i].prefix)
-            return layer if self.mesh is None else fsdp.shard(layer, self.mesh)
-
-        if not m.hf_path:
-            return {i: placed(build_layer(self.specs[i], m, self.cfg.train.seed, dev), i) for i in indices}
-        layers = {}
-        with HFReader(m.hf_path) as reader:
-            for i in indices:
-                layer = empty_layer(self.specs[i], m, dev)
-                load_layer(layer, self.specs[i], m, reader)
-                layers[i] = placed(layer, i)
-        self.hf_read = (len(reader.names_read), reader.bytes_read)
-        return layers
 
     # ---- placement --------------------------------------------------------------------
     def _check_layout(self, layout: Layout) -> None:
@@ -137,29 +137,10 @@ class Pipeline:
 
     # ---- build ------------------------------------------------------------------------
     def _build_schedule(self) -> None:
-        m = self.cfg.model
-        self.stages: list[TimedPipelineStage] = []
-        for s in self.my_stages():
-            idx = list(self.layout.layers(s))
-            first, last = s == 0, s == self.num_stages - 1
-            carry_in, carry_out = self._carry(idx[0] - 1), self._carry(idx[-1])
-            module = StageModule([self.specs[i].name for i in idx], [self.layers[i] for i in idx], idx,
-                                 profile=self.cfg.balance.profile, device=self.ctx.device, dtype=self.dtype,
-                                 recompute=self.recompute, received=None if first else boundary_bools(carry_in),
-                                 sends=not last)
-            inputs, outputs = example_io(first, last, self.microbatch, m.seq_len, m.d_model, m.vocab_size,
-                                         self.ctx.device, self.dtype, carry_in=carry_in, carry_out=carry_out)
-            self.stages.append(TimedPipelineStage(module, s, self.num_stages, self.ctx.device, input_args=inputs,
-                                                  output_args=outputs, group=self.ctx.pp_group))
-        stage_arg = self.stages if self.schedule_info.multi_stage else self.stages[0]
-        # scale_grads=False: the division by the number of microbatches is ours (grads.scale_grads)
-        self.schedule = schedule_class(self.schedule_info)(stage_arg, self.microbatches, loss_fn=loss_fn,
-                                                           scale_grads=False)
-
-    def _carry(self, unit: int) -> tuple[str, ...]:
-        """What crosses the boundary after `unit` beside (x, mask): a split block's carry when
-        the unit is its attention half."""
-        return self.half_carry if 0 <= unit < len(self.specs) and self.specs[unit].part == "attn" else ()
+        self.stages: list[TimedPipelineStage] = build_stages(
+            self.cfg, self.ctx, self.specs, self.layers, self.layout, self.my_stages(), self.microbatch,
+            dtype=self.dtype, recompute=self.recompute, half_carry=self.half_carry)
+        self.schedule = build_schedule(self.schedule_info, self.stages, self.microbatches)
 
     # ---- one step ---------------------------------------------------------------------
     def train_step(self, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> StepResult:
@@ -183,20 +164,7 @@ class Pipeline:
         self.optimizer.step()
         state_bytes = self.layer_state_bytes()  # grads still allocated: the step's peak
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(
-            loss_sum=float(sum(l.item() for l in losses)),
-            loss_count=len(losses),
-            schedule_s=t_sched,
-            step_s=time.perf_counter() - t0,
-            stage_compute_s={st.stage_index: st.compute_s for st in self.stages},
-            layer_times={i: t for st in self.stages for i, t in st.submod.layer_times().items()},
-            grad_norm=grad_norm,
-            layer_costs={i: c for st in self.stages for i, c in st.submod.layer_costs().items()},
-            layer_act_bytes={i: b for st in self.stages for i, b in st.submod.layer_act_bytes().items()},
-            layer_state_bytes=state_bytes,
-            profile_s=sum(st.submod.profile_s for st in self.stages),
-            peak_bytes=self.memory.peak(),
-        )
+        return StepResult.of_stages(self.stages, losses, t0, t_sched, grad_norm, state_bytes, self.memory)
 
     def layer_state_bytes(self) -> dict[int, int]:
         """Bytes each local layer holds: weights, gradients and optimizer state."""
@@ -242,8 +210,7 @@ class Pipeline:
                         self.cfg.model, self.layer_extras, report, mesh=self.mesh, ep=self.ep)
         self.layout = new
         if repack:
-            stay = self.ctx.shrink_ranks(keep)
-            report.released = [r for r in (self.ctx.active_ranks or range(self.ctx.world)) if r not in stay]
+            report.released = released_ranks(self.ctx, keep)
             ctx = self.ctx.shrink(keep)
             if ctx is None:  # released: this rank holds nothing any more
                 self.released, self.stages, self.schedule = True, [], None
@@ -251,12 +218,7 @@ class Pipeline:
                 report.seconds = time.perf_counter() - t0
                 return report
             self.ctx = ctx
-            if self.ep is not None:  # the expert-parallel groups of the shrunk job
-                self.ep = experts.group_of(ctx, self.ep.orders, self.ep.slots)
-                for layer in self.layers.values():
-                    experts.rebind(layer, self.ep)
-            if self.mesh is not None:  # layers arriving later shard over the new group
-                self.mesh = fsdp.mesh_of(ctx.dp_group, ctx.device)
+            self.ep, self.mesh = regroup(ctx, self.ep, self.mesh, self.layers)
             self.num_stages = new.num_stages
             self.placement = stage_to_rank(self.num_stages, ctx.pp, self.schedule_info.placement)
             self.tie = tied_embeddings(self.cfg.model, self.specs, ctx, self.placement)  # the head's rank moved
@@ -272,20 +234,7 @@ class Pipeline:
         placements (`experts.apply_placement`), weights, gradients and AdamW state. Call on every
         active rank between two steps, with the same `new`. Returns the `replacement` event:
         the bytes moved (summed over the ranks) and the seconds (the slowest rank's)."""
-        if self.ep is None:
-            raise ValueError("moving experts needs expert parallelism (parallel.ep > 1)")
-        t0 = time.perf_counter()
-        old = {n: self.ep.orders.get(n) for n in new}
-        names = {i: self.specs[i].prefix for i in self.layers}
-        got = experts.apply_placement(self.layers, names, self.optimizer, self.ep, new)
-        total = torch.tensor([float(got), time.perf_counter() - t0], dtype=torch.float64, device=self.ctx.device)
-        figures = [torch.zeros_like(total) for _ in range(self.ctx.active_world)]
-        torch.distributed.all_gather(figures, total, group=self.ctx.active_group)
-        n = self.cfg.model.moe.num_experts
-        moved = {k: experts.moved_experts(old[k] or self.ep.start(n), o, self.ep.size) for k, o in new.items()}
-        return {"type": "replacement", "placements": {k: list(o) for k, o in new.items()},
-                "experts_moved": {k: v for k, v in moved.items() if v},
-                "bytes": int(sum(f[0] for f in figures)), "seconds": float(max(f[1] for f in figures))}
+        return replace_experts(self.layers, self.specs, self.optimizer, self.ep, self.ctx, self.cfg.model, new)
 
     def optimizer_states(self) -> dict[int, dict]:
         """{local layer index: its AdamW state by parameter name}, to carry across a rebuild."""
