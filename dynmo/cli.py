@@ -22,16 +22,23 @@ VERBS = {
 NEEDS_TORCH = frozenset({"train", "export"})
 
 
-def _usage() -> str:
+EXAMPLES = """\
+examples:
+  dynmo train --nproc 2 --config configs/default.toml --steps 50 --out runs/default
+  dynmo simulate --trace docs/bench/traces/skewed-static.jsonl --stages 8 --dp 4
+  echo '{"costs": [1, 4, 4, 4, 1, 1, 1, 2], "stages": 3}' | dynmo balance --input -"""
+
+
+def _usage(examples: bool = False) -> str:
     lines = ["usage: dynmo VERB [options]   (dynmo VERB --help for a verb's options)", "", "verbs:"]
     lines += [f"  {name:<10} {doc}" for name, (_, doc) in VERBS.items()]
-    return "\n".join(lines)
+    return "\n".join(lines) + ("\n\n" + EXAMPLES if examples else "")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print(_usage())
+        print(_usage(examples=True))
         return 0
     verb, rest = argv[0], argv[1:]
     if verb not in VERBS:

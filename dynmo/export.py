@@ -184,9 +184,17 @@ def export(path: Path, out: Path, max_shard_bytes: int = 5 * 10**9, force: bool 
             "copied": copied, "skipped": skipped, "source": str(source) if source else ""}
 
 
+EXAMPLES = """\
+examples:
+  dynmo export runs/llama/checkpoint-final --hf runs/llama-hf
+  dynmo export runs/mixtral/checkpoint-final --hf runs/mixtral-hf --max-shard-size 500MB --force
+"""
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="dynmo export",
-                                 description="Write a dynmo checkpoint as a Hugging Face model folder.")
+                                 description="Write a dynmo checkpoint as a Hugging Face model folder.",
+                                 epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", help="a dynmo checkpoint folder, e.g. runs/x/checkpoint-final")
     ap.add_argument("--hf", required=True, metavar="OUT", help="output folder (Hugging Face format)")
     ap.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")

@@ -219,10 +219,21 @@ def _worlds(args) -> list[int]:
     return sorted({args.nproc * lo, args.nproc * hi})
 
 
+EXAMPLES = """\
+examples:
+  dynmo train --nproc 2 --config configs/default.toml --steps 50 --out runs/default
+  dynmo train --nproc 2 --config configs/skewed.toml --out runs/skewed --trace runs/skewed.trace.jsonl \\
+      --balance.when auto
+  dynmo train --nproc 4 --config configs/moe.toml --out runs/moe-ep --parallel.dp 2 --parallel.ep 2 \\
+      --balance.experts auto
+"""
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(
         prog="dynmo train",
         description="Train a pipeline-parallel model; extra --section.field VALUE flags override the config.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--nproc", type=int, default=2, help="processes (ranks) on this machine (default 2)")
     ap.add_argument("--config", default=None, help="TOML config file, e.g. configs/default.toml")

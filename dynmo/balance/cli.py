@@ -11,7 +11,9 @@ stderr, exit code 2. With --repack, --balancer picks the re-packing method: opti
 
 from __future__ import annotations
 
+import argparse
 import sys
+import textwrap
 from typing import Any
 
 import numpy as np
@@ -35,8 +37,17 @@ MAX_LAYER_STAGES = 50_000_000  # layers x stages
 MAX_CUT_CELLS = 1_000_000_000
 
 
+EXAMPLES = """\
+examples:
+  echo '{"costs": [1, 4, 4, 4, 1, 1, 1, 2], "stages": 3}' | dynmo balance --input -
+  dynmo balance --input problem.json --balancer deepspeed
+  dynmo balance --input problem.json --repack --tolerance 0.1
+"""
+
+
 def _parser() -> ArgumentParser:
-    ap = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[1])
+    ap = ArgumentParser(prog=PROG, description=textwrap.fill(" ".join(__doc__.split("\n\n")[1].split()), 78),
+                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--input", required=True, help="problem JSON file ('-' for stdin)")
     ap.add_argument("--balancer", default="optimal",
                     help=f"one of {', '.join(BALANCERS)}; with --repack: {', '.join(REPACKERS)}")

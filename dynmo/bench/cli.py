@@ -92,9 +92,18 @@ def _latest_dense(rows: list[dict], measured: dict) -> list[dict]:
     return out
 
 
+EXAMPLES = """\
+examples:
+  dynmo bench --out bench/
+  dynmo bench --out bench/ --cases skewed --steps 20 --pairs 2 --no-sim
+  dynmo bench --out docs/bench --cases moe,mixtral --no-real
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(prog="dynmo bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="dynmo bench", description=__doc__, epilog=EXAMPLES,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench", help="output folder (default bench/)")
     ap.add_argument("--cases", default=",".join(c.name for c in CASES), help="comma-separated cases")
     ap.add_argument("--steps", type=int, default=None, help="steps per real run (default: each case's, BenchCase.steps)")

@@ -20,8 +20,10 @@ written.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -31,13 +33,42 @@ PROG = "dynmo tensor"
 PROGRESS_BYTES = 16 << 20  # files above this report progress on stderr
 
 
+# the examples each help ends with: `dynmo tensor --help`'s (key ""), and each command's
+EXAMPLES = {
+    "": ["dynmo tensor ngram --order 3 --out plays3.tns",
+         "dynmo tensor features plays3.tns --json plays3.json",
+         "dynmo tensor generate --like plays3.tns --scale 2 --out sibling.tns"],
+    "features": ["dynmo tensor features plays3.tns",
+                 "dynmo tensor features plays3.tns --json plays3.json --csv plays3.csv --plot plays3.png --overwrite"],
+    "generate": ["dynmo tensor generate --sizes 200,300,400 --density 5e-4 --out synthetic.tns",
+                 "dynmo tensor generate --sizes 200,300,400 --density 5e-4 --fiber-density 0.02 "
+                 "--cv-nnz-per-fiber 1 --seed 7 --out skewed.tns",
+                 "dynmo tensor generate --like plays3.tns --scale 2 --out sibling.tns"],
+    "cp": ["dynmo tensor cp plays3.tns --rank 10 --iters 10",
+           "dynmo tensor cp synthetic.tns --rank 4 --iters 20 --json cp.json --overwrite"],
+    "ngram": ["dynmo tensor ngram --order 3 --out plays3.tns",
+              "dynmo tensor ngram --order 2 --paths docs --out docs2.tns --overwrite"],
+}
+
+
+def _help(command: str = "") -> dict:
+    """The parser arguments that end a help with the command's examples (argparse leaves them as written)."""
+    lines = "\n".join(f"  {line}" for line in EXAMPLES[command])
+    return {"epilog": f"examples:\n{lines}", "formatter_class": argparse.RawDescriptionHelpFormatter}
+
+
+def _wrap(text: str) -> str:
+    """A description filled as argparse fills one (the examples' formatter leaves text as written)."""
+    return textwrap.fill(text, 78)
+
+
 def _parser() -> ArgumentParser:
     ap = ArgumentParser(prog=PROG, description="Tools for sparse tensors: features of .tns files, "
-                                               "and tensors made from text.")
+                                               "and tensors made from text.", **_help())
     sub = ap.add_subparsers(dest="cmd", metavar="COMMAND")
     f = sub.add_parser("features", prog=f"{PROG} features", help="the features of a .tns file (FeaTensor's set)",
-                       description="Print a sparse tensor's features: how its nonzeros spread over the slices "
-                                   "and fibers of every mode.")
+                       description=_wrap("Print a sparse tensor's features: how its nonzeros spread over the slices "
+                                         "and fibers of every mode."), **_help("features"))
     f.add_argument("file", help="a FROSTT .tns file (1-based indices, the value last; gzip too)")
     f.add_argument("--sizes", help="the mode sizes, comma-separated (default: the header's, or the largest "
                                    "index of each mode)")
@@ -52,10 +83,10 @@ def _parser() -> ArgumentParser:
     f.add_argument("--overwrite", action="store_true", help="replace output files that exist")
     f.add_argument("--quiet", action="store_true", help="no progress on stderr, no table on stdout")
     g = sub.add_parser("generate", prog=f"{PROG} generate", help="a tensor with the features asked for",
-                       description="Generate a sparse tensor meeting five targets (GenTensor's): its density, the "
+                       description=_wrap("Generate a sparse tensor meeting five targets (GenTensor's): its density, the "
                                    "density of nonempty slices of the last two modes and of nonempty fibers of the "
                                    "last mode, and the cvs of fibers per slice and nonzeros per fiber; or, with "
-                                   "--like, a sibling of a real tensor.")
+                                   "--like, a sibling of a real tensor."), **_help("generate"))
     g.add_argument("--sizes", help="the mode sizes, comma-separated (3 or more modes)")
     g.add_argument("--density", type=float, help="nonzeros / all entries")
     g.add_argument("--like", metavar="REAL", help="instead of the targets: a sibling of a real tensor (a .tns, or "
@@ -77,8 +108,9 @@ def _parser() -> ArgumentParser:
     g.add_argument("--header", action="store_true", help="write an order line and a sizes line first")
     g.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     c = sub.add_parser("cp", prog=f"{PROG} cp", help="CP-ALS of a .tns file: fit and time per iteration",
-                       description="Decompose a sparse tensor into R rank-one terms by alternating least squares "
-                                   "(MTTKRP over the nonzeros); print the fit and the time of each iteration.")
+                       description=_wrap("Decompose a sparse tensor into R rank-one terms by alternating least "
+                                         "squares (MTTKRP over the nonzeros); print the fit and the time of each "
+                                         "iteration."), **_help("cp"))
     c.add_argument("file", help="a FROSTT .tns file (1-based indices, the value last; gzip too)")
     c.add_argument("--rank", type=int, default=10, help="R, the number of rank-one terms (default 10)")
     c.add_argument("--iters", type=int, default=10, help="ALS sweeps (default 10)")
@@ -88,8 +120,9 @@ def _parser() -> ArgumentParser:
                    help="the file starts with an order line and a sizes line (detected when left out)")
     c.add_argument("--overwrite", action="store_true", help="replace --json if it exists")
     n = sub.add_parser("ngram", prog=f"{PROG} ngram", help="a tensor of word n-gram counts from text",
-                       description="Make an order-N sparse tensor from text: entry (w1, ..., wN) counts how often "
-                                   "those N words follow each other. Words are numbered by first appearance.")
+                       description=_wrap("Make an order-N sparse tensor from text: entry (w1, ..., wN) counts how "
+                                         "often those N words follow each other. Words are numbered by first "
+                                         "appearance."), **_help("ngram"))
     n.add_argument("--order", type=int, default=3, help="N, the number of words in a run (2 to 8; default 3)")
     n.add_argument("--out", required=True, help="the .tns file to write (.gz for gzip)")
     n.add_argument("--paths", nargs="*", default=[],

@@ -1,0 +1,100 @@
+"""The model a configuration builds: its shape, its family and block, the block's options, and the
+dynamic-model cases enabled on it.
+
+Part of `dynmo.checks` (validation before any process starts); import-light: the cases' own
+`check_options` need torch and are imported only when their case is enabled.
+"""
+
+from __future__ import annotations
+
+from dynmo.checks_values import require
+from dynmo.config import Config, ConfigError, ModelConfig
+from dynmo.model.families import check_block
+from dynmo.plan import num_layers
+
+
+def check_model(cfg: Config, stages: int) -> None:
+    """Every one of `stages` pipeline stages gets a layer; the model's sizes fit together."""
+    m = cfg.model
+    n = num_layers(cfg)
+    if stages > n:
+        raise ConfigError(
+            f"{stages} pipeline stages but only {n} layers (embedding + {m.n_layers} blocks + head); "
+            "every stage needs at least one layer: use fewer ranks/virtual stages or more model.n_layers"
+        )
+    if m.d_model % m.n_heads and not (m.family != "gpt" and m.head_dim):
+        raise ConfigError(f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads}")
+    for name in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "mlp_ratio"):
+        if getattr(m, name) < 1:
+            raise ConfigError(f"model.{name} must be >= 1")
+    check_family(m)
+
+
+def check_family(m: ModelConfig) -> None:
+    """The model family and its block exist, and the family's options are ones it implements."""
+    try:
+        check_block(m.family, m.block)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if m.family == "gpt":
+        return
+    kv = m.n_kv_heads or m.n_heads
+    if m.n_kv_heads < 0 or m.head_dim < 0 or m.intermediate_size < 0 or m.n_heads % kv:
+        raise ConfigError(f"model.n_heads={m.n_heads} must be a multiple of model.n_kv_heads={m.n_kv_heads} "
+                          "(0 = n_heads), and head_dim / intermediate_size >= 0 (0 = derived)")
+    if m.dropout:
+        raise ConfigError(f"model.dropout={m.dropout}: the {m.family} family has no dropout (set model.dropout = 0)")
+    if not m.rope_theta > 0 or not m.norm_eps > 0:
+        raise ConfigError(f"model.rope_theta={m.rope_theta} and model.norm_eps={m.norm_eps} must be > 0")
+
+
+def check_block_options(m: ModelConfig) -> None:
+    """The options of the chosen block: MoE, hash attention or mixture-of-depths."""
+    if m.block == "moe":
+        o = m.moe
+        if not 1 <= o.top_k <= o.num_experts:
+            raise ConfigError(f"model.moe.top_k={o.top_k} must be in 1..model.moe.num_experts={o.num_experts}")
+        if o.capacity_factor < 0:
+            raise ConfigError("model.moe.capacity_factor must be >= 0 (0 = dropless)")
+        require("model.moe.aux_loss_coef", o.aux_loss_coef, ge=0, why="the weight of the load-balancing loss")
+    if m.block == "hashattn":
+        o = m.hashattn
+        if o.n_buckets < 1 or o.chunk < 1 or m.seq_len % o.chunk:
+            raise ConfigError(f"model.hashattn.chunk={o.chunk} must divide model.seq_len={m.seq_len} "
+                              f"and model.hashattn.n_buckets={o.n_buckets} must be >= 1")
+    if m.block == "mod":
+        o = m.mod
+        if o.routing not in ("topk", "predictor"):
+            raise ConfigError(f"model.mod.routing={o.routing!r}; use topk or predictor")
+        if o.capacities and len(o.capacities) != m.n_layers:
+            raise ConfigError(f"model.mod.capacities has {len(o.capacities)} entries; give one per block "
+                              f"(model.n_layers={m.n_layers}) or leave it empty to use model.mod.capacity everywhere")
+        bad = [c for c in [o.capacity, *o.capacities] if not 0.0 < c <= 1.0]
+        if bad:
+            raise ConfigError(f"model.mod capacities {bad} must be in (0, 1] (a fraction of each sequence)")
+        require("model.mod.predictor_loss_coef", o.predictor_loss_coef, ge=0, why="the weight of the predictor's loss")
+
+
+def check_cases(cfg: Config, pp: int) -> None:
+    """The dynamic-model cases enabled (prune, freeze, early exit, skew, noise) on this model, over
+    `pp` pipeline ranks. The cases check their own options (imported only when enabled: they need torch)."""
+    m = cfg.model
+    if cfg.prune.enabled:
+        from dynmo.dynamics.prune import check_options as check_prune
+
+        check_prune(cfg.prune, m)
+    if cfg.freeze.enabled:
+        from dynmo.dynamics.freeze import check_options as check_freeze
+
+        check_freeze(cfg.freeze, m.n_layers)
+    if cfg.early_exit.enabled:
+        from dynmo.dynamics.earlyexit import check_options as check_exit
+
+        check_exit(cfg.early_exit, cfg)
+    bad = [b for b in cfg.skew.blocks if not 0 <= b < m.n_layers]
+    if bad:
+        raise ConfigError(f"skew.blocks {bad} outside 0..{m.n_layers - 1} (block numbers are 0-based)")
+    if cfg.noise.enabled:
+        from dynmo.dynamics.noise import check_options as check_noise
+
+        check_noise(cfg.noise, pp)
