@@ -65,13 +65,18 @@ def prepare(paths: list[str], vocab_size: int, cache_dir: str = "", hf_path: str
     if tok.get_vocab_size() > vocab_size:
         raise DataError(f"tokenizer produced {tok.get_vocab_size()} > {vocab_size} tokens")
     ids = np.concatenate([np.asarray(e.ids, dtype=np.int32) for e in tok.encode_batch(texts)])
-    tmp = folder / f"tokens.{os.getpid()}.npy"
-    np.save(tmp, ids)
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "meta.json").write_text(
+    # Every file lands by an atomic rename, tokens.npy last: two jobs (or test workers) preparing
+    # the same corpus at once each write their own copies, and a reader that sees tokens.npy
+    # never reads a tokenizer.json another writer is halfway through.
+    pid = os.getpid()
+    tok.save(str(folder / f"tokenizer.{pid}.json"))
+    os.replace(folder / f"tokenizer.{pid}.json", folder / "tokenizer.json")
+    (folder / f"meta.{pid}.json").write_text(
         json.dumps({"files": [str(f) for f in files], "tokens": int(ids.size), "vocab_size": vocab_size})
     )
-    os.replace(tmp, folder / "tokens.npy")  # atomic: readers never see a half-written file
+    os.replace(folder / f"meta.{pid}.json", folder / "meta.json")
+    np.save(folder / f"tokens.{pid}.npy", ids)
+    os.replace(folder / f"tokens.{pid}.npy", folder / "tokens.npy")
     return folder
 
 

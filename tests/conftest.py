@@ -34,10 +34,15 @@ SKEWED_COSTS = {"DYNMO_COSTS": "0:1,4,4,4,4,3;3:1,14,4,4,4,3"}
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _cache_dir(tmp_path_factory):
-    """One tokenizer cache per test session, shared with the torchrun subprocesses."""
+def _cache_dir(tmp_path_factory, request):
+    """One tokenizer cache per test session, shared with the torchrun subprocesses and, under
+    pytest-xdist, among its workers (their base folders sit side by side; dynmo.data writes the
+    cache by atomic renames, so workers preparing one corpus at once do not collide)."""
     if "DYNMO_CACHE" not in os.environ:
-        os.environ["DYNMO_CACHE"] = str(tmp_path_factory.mktemp("dynmo-cache"))
+        base = tmp_path_factory.getbasetemp()
+        cache = (base.parent if hasattr(request.config, "workerinput") else base) / "dynmo-cache"
+        cache.mkdir(exist_ok=True)
+        os.environ["DYNMO_CACHE"] = str(cache)
     yield
 
 
@@ -62,6 +67,23 @@ def run_train(out: Path, *args: str, nproc: int = 2, timeout: int = 300, check: 
     if check and p.returncode != 0:
         raise AssertionError(f"dynmo train failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
     return p
+
+
+# What the processes of `spawn` import before they fork: a fresh interpreter per process would
+# import torch again (seconds each); the fork server does it once per test session, and it has
+# run no torch op, so no OpenMP thread pool is copied into a child.
+SPAWN_PRELOAD = ["torch", "torch.distributed", "dynmo.model.layers", "dynmo.runtime.experts"]
+
+
+def spawn(fn, args: tuple, nprocs: int) -> None:
+    """`torch.multiprocessing.spawn`, started from a fork server: each process runs
+    fn(rank, *args) in a child of its own (gloo tests of a few processes)."""
+    import multiprocessing.forkserver
+
+    import torch.multiprocessing as mp
+
+    multiprocessing.forkserver.set_forkserver_preload(SPAWN_PRELOAD)  # read when the server starts
+    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
 
 
 def metrics(out: Path) -> list[dict]:

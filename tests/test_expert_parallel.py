@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from dynmo.checks import validate
 from dynmo.config import ConfigError
-from tests.conftest import metrics, run_train
+from tests.conftest import metrics, run_train, spawn
 from tests.reference import tiny_config
 from tests.test_bad_input import assert_rejected, dynmo_train
 
@@ -230,9 +230,7 @@ def _one_layer(rank: int, world: int, store: str, family: str, slots: int) -> No
 @pytest.mark.dist  # spawns gloo processes: seconds, not milliseconds
 @pytest.mark.parametrize("family,world,slots", [("gpt", 2, 0), ("mixtral", 4, 0), ("gpt", 2, 1), ("mixtral", 4, 2)])
 def test_one_block_with_its_experts_spread_equals_the_whole_block(tmp_path, family, world, slots):
-    import torch.multiprocessing as mp
-
-    mp.spawn(_one_layer, args=(world, str(tmp_path / "store"), family, slots), nprocs=world, join=True)
+    spawn(_one_layer, args=(world, str(tmp_path / "store"), family, slots), nprocs=world)
 
 
 def _copies_over_replicas(rank: int, world: int, store: str) -> None:
@@ -284,6 +282,4 @@ def _copies_over_replicas(rank: int, world: int, store: str) -> None:
 
 @pytest.mark.dist  # spawns 6 gloo processes: seconds
 def test_copies_stay_bitwise_equal_over_three_replica_groups(tmp_path):
-    import torch.multiprocessing as mp
-
-    mp.spawn(_copies_over_replicas, args=(6, str(tmp_path / "store")), nprocs=6, join=True)
+    spawn(_copies_over_replicas, args=(6, str(tmp_path / "store")), nprocs=6)

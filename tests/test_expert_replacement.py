@@ -22,7 +22,7 @@ from dynmo.checks import parse_replacements, validate
 from dynmo.config import ConfigError
 from dynmo.balance.experts import check_order, start_order
 from dynmo.runtime.experts import moved_experts, plan_moves
-from tests.conftest import metrics, run_train
+from tests.conftest import metrics, run_train, spawn
 from tests.reference import tiny_config
 from tests.test_expert_parallel import flat, losses
 
@@ -213,9 +213,7 @@ def _exchange(rank: int, world: int, store: str, slots: int) -> None:
 @pytest.mark.dist  # spawns gloo processes: seconds, not milliseconds
 @pytest.mark.parametrize("world,slots", [(2, 0), (4, 0), (4, 1)])
 def test_moving_experts_carries_their_weights_gradients_and_adamw_state(tmp_path, world, slots):
-    import torch.multiprocessing as mp
-
-    mp.spawn(_exchange, args=(world, str(tmp_path / "store"), slots), nprocs=world, join=True)
+    spawn(_exchange, args=(world, str(tmp_path / "store"), slots), nprocs=world)
 
 
 # ---- end to end -------------------------------------------------------------------------------
