@@ -7,8 +7,9 @@ tests/test_gpu_check.py imports it.
     python benchmarks/gpu_check.py --device cpu --tiny --out /tmp/gpu-check    # the same, tiny, on CPU
     python benchmarks/gpu_check.py --out DIR --cases gpt-moe,llama-dense       # some cases
 
-For each case (CASES: one config of configs/ per model family x dynamic case) it runs the real
-trainer twice, on one rank:
+For each case (CASES: one config of configs/ per model family x dynamic case; LONG_CASES: hash
+attention at 8k and 16k tokens and the same model with dense attention, FlexAttention against
+SDPA) it runs the real trainer twice, on one rank:
   1stage  pp = 1, schedule 1f1b: one stage holds every layer;
   2stage  pp = 1, schedule interleaved1f1b with 2 virtual stages: the one rank holds both
           stages, so the schedule's stage-to-stage hand-over, per-stage timing and a 2-stage
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import gc
 import json
@@ -79,6 +81,16 @@ CASES = {
     "llama-earlyexit": "llama-earlyexit.toml",
     "mixtral-moe": "mixtral.toml",
 }
+# Long sequences: hash attention (FlexAttention on a GPU) against the same model with dense
+# attention (SDPA), at the case's own length. case -> (config, seq_len, block).
+LONG_CASES = {
+    "gpt-hashattn-8k": ("hashattn-long.toml", 8192, "hashattn"),
+    "gpt-dense-8k": ("hashattn-long.toml", 8192, "dense"),
+    "gpt-hashattn-16k": ("hashattn-long.toml", 16384, "hashattn"),
+    "gpt-dense-16k": ("hashattn-long.toml", 16384, "dense"),
+    "llama-hashattn-8k": ("llama-hashattn-long.toml", 8192, "hashattn"),
+}
+CASES.update({case: config for case, (config, _, _) in LONG_CASES.items()})
 NOT_CHECKED = ("main.toml", "noisy.toml")
 
 # Stage arrangements on the one rank: name -> (stages, config overrides).
@@ -108,6 +120,7 @@ class Size:
     n_layers: int  # transformer blocks
     vocab_size: int
     hash_chunk: int  # hash attention's tile (must divide seq_len)
+    long_seq_len: int  # LONG_CASES' sequence length; 0 = each case's own
     global_batch: int
     microbatches: int
     steps: int
@@ -120,11 +133,11 @@ class Size:
 # is 50M parameters; the largest cases, the 8-expert MoEs, have ~1.15B: ~18 GB of fp32
 # weights, gradients and AdamW state).
 GPU = Size(d_model=2048, n_heads=16, n_kv_heads=4, intermediate_size=5504, seq_len=2048, n_layers=4,
-           vocab_size=2048, hash_chunk=64, global_batch=8, microbatches=4, steps=12, warmup=2,
+           vocab_size=2048, hash_chunk=64, long_seq_len=0, global_batch=8, microbatches=4, steps=12, warmup=2,
            dyn_start=3, dyn_every=3)
 # --tiny: every mechanism, milliseconds per step on a CPU.
 TINY = Size(d_model=64, n_heads=2, n_kv_heads=1, intermediate_size=176, seq_len=32, n_layers=4,
-            vocab_size=512, hash_chunk=8, global_batch=4, microbatches=2, steps=4, warmup=1,
+            vocab_size=512, hash_chunk=8, long_seq_len=64, global_batch=4, microbatches=2, steps=4, warmup=1,
             dyn_start=1, dyn_every=1)
 
 
@@ -146,11 +159,18 @@ def case_overrides(case: str, size: Size) -> list[str]:
     cfg = load_config(ROOT / "configs" / CASES[case])
     m = cfg.model
     s = size
-    out = ["--model.d_model", s.d_model, "--model.n_heads", s.n_heads, "--model.seq_len", s.seq_len,
+    seq_len = s.seq_len
+    if case in LONG_CASES:
+        _, long_len, block = LONG_CASES[case]
+        seq_len = s.long_seq_len or long_len
+        m = dataclasses.replace(m, block=block)
+    out = ["--model.d_model", s.d_model, "--model.n_heads", s.n_heads, "--model.seq_len", seq_len,
            "--model.n_layers", s.n_layers, "--model.vocab_size", s.vocab_size,
            "--train.global_batch", s.global_batch, "--train.microbatches", s.microbatches, "--train.steps", s.steps]
     if m.family != "gpt":
         out += ["--model.n_kv_heads", s.n_kv_heads, "--model.intermediate_size", s.intermediate_size]
+    if case in LONG_CASES:
+        out += ["--model.block", m.block]
     if m.block == "hashattn":
         out += ["--model.hashattn.chunk", s.hash_chunk]
     if m.block == "mod" and m.mod.capacities:

@@ -8,7 +8,7 @@ Part of `dynmo.checks` (validation before any process starts); import-light: the
 from __future__ import annotations
 
 from dynmo.checks_values import require
-from dynmo.config import Config, ConfigError, ModelConfig
+from dynmo.config import HASH_KERNELS, Config, ConfigError, ModelConfig
 from dynmo.model.families import check_block
 from dynmo.plan import num_layers
 
@@ -62,6 +62,8 @@ def check_block_options(m: ModelConfig) -> None:
         if o.n_buckets < 1 or o.chunk < 1 or m.seq_len % o.chunk:
             raise ConfigError(f"model.hashattn.chunk={o.chunk} must divide model.seq_len={m.seq_len} "
                               f"and model.hashattn.n_buckets={o.n_buckets} must be >= 1")
+        if o.kernel not in HASH_KERNELS:
+            raise ConfigError(f"model.hashattn.kernel={o.kernel!r} is not one of {', '.join(HASH_KERNELS)}")
     if m.block == "mod":
         o = m.mod
         if o.routing not in ("topk", "predictor"):
@@ -73,6 +75,24 @@ def check_block_options(m: ModelConfig) -> None:
         if bad:
             raise ConfigError(f"model.mod capacities {bad} must be in (0, 1] (a fraction of each sequence)")
         require("model.mod.predictor_loss_coef", o.predictor_loss_coef, ge=0, why="the weight of the predictor's loss")
+
+
+def check_device_kernels(cfg: Config) -> None:
+    """A kernel the config names runs on the device the ranks will use (CUDA where the backend is
+    nccl, or auto with a GPU; else CPU): `model.hashattn.kernel` (imports torch only when a
+    kernel other than auto or tiles is named, both of which run everywhere)."""
+    m = cfg.model
+    if m.block != "hashattn" or m.hashattn.kernel in ("auto", "tiles"):
+        return
+    import torch
+
+    from dynmo.model.hashattn import check_kernel
+
+    backend = cfg.parallel.backend
+    cuda = backend == "nccl" or (backend == "auto" and torch.cuda.is_available())
+    problem = check_kernel(m.hashattn.kernel, "cuda" if cuda else "cpu")
+    if problem:
+        raise ConfigError(problem)
 
 
 def check_cases(cfg: Config, pp: int) -> None:

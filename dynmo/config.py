@@ -30,12 +30,16 @@ class MoEConfig:
     norm_topk_prob: bool = True  # renormalise the top-k probabilities (Mixtral); false = Switch-style raw probs
 
 
+HASH_KERNELS = ("auto", "staircase", "flex", "tiles")  # model.hashattn.kernel
+
+
 @dataclass
 class HashAttnConfig:
     """`model.block = "hashattn"`: hash-based dynamic sparse attention (dynmo/model/hashattn.py)."""
 
     n_buckets: int = 4  # LSH buckets per head; 1 = dense causal attention
     chunk: int = 16  # tokens per tile of the sorted sequence: the unit of skipped work; must divide seq_len
+    kernel: str = "auto"  # auto (the fastest exact one on the device) | staircase (CPU) | flex (FlexAttention, CUDA) | tiles (reference)
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from dynmo.dynamics.case import Case
+from dynmo.model.stats import as_numbers
 
 
 class BlockStats(Case):
@@ -27,9 +28,12 @@ class BlockStats(Case):
 
     def layer_stats(self) -> dict[str, dict[int, Any]]:
         prefix = self.host.cfg.model.block
+        layers = self.host.layers()
+        # a block may keep its sums on the device: read them all in one go, once per step
+        stats = as_numbers([getattr(layer, "last_stats", None) or {} for layer in layers.values()])
         out: dict[str, dict[int, Any]] = {}
-        for i, layer in self.host.layers().items():
-            for key, value in (getattr(layer, "last_stats", None) or {}).items():
+        for i, s in zip(layers, stats):
+            for key, value in s.items():
                 if isinstance(value, (int, float, list)):
                     out.setdefault(f"{prefix}_{key}", {})[i] = value
         return out

@@ -11,6 +11,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
+import torch
+
 _paused = 0
 
 
@@ -31,7 +33,9 @@ def is_paused() -> bool:
 
 
 class StepStats:
-    """Sums of per-forward quantities since the last reset. Values are python numbers/lists."""
+    """Sums of per-forward quantities since the last reset. Values are python numbers or lists,
+    or tensors, summed where they are (on the device, no synchronisation per forward); the
+    metrics read them once per step (`as_numbers`)."""
 
     def __init__(self):
         self.forwards = 0
@@ -50,3 +54,23 @@ class StepStats:
 
     def mean(self, key: str) -> float:
         return self.sums[key] / self.forwards if self.forwards else 0.0
+
+
+def as_numbers(stats: list[dict]) -> list[dict]:
+    """Copies of the dicts `stats` with each tensor value a python number (0-dim) or list. All
+    the tensors of a device and kind (integer or float) come over in one transfer, so a step's
+    statistics cost one synchronisation, not one per layer and statistic."""
+    out = [dict(d) for d in stats]
+    groups: dict[tuple, list] = {}
+    for i, d in enumerate(stats):
+        for key, v in d.items():
+            if isinstance(v, torch.Tensor):
+                groups.setdefault((v.device, v.is_floating_point()), []).append((i, key, v))
+    for (_, is_float), items in groups.items():
+        kind = torch.float64 if is_float else torch.int64
+        flat = torch.cat([v.detach().reshape(-1).to(kind) for _, _, v in items]).tolist()
+        at = 0
+        for i, key, v in items:
+            out[i][key] = flat[at] if v.dim() == 0 else flat[at:at + v.numel()]
+            at += v.numel()
+    return out

@@ -1,0 +1,203 @@
+"""Hash-sparse attention kernels against causal SDPA: where the time goes.
+
+Produces the tables in docs/bench/hashattn-kernels.md.
+
+    python benchmarks/bench_hashattn.py [--seqs 2048,4096,8192,16384] [--buckets 1,2,4,8,16]
+        [--paths staircase,tiles] [--repeats 3] [--flex]
+    python benchmarks/bench_hashattn.py --model [--steps 12] [--pairs 2]
+
+Kernel mode: one thread, B 1, 4 heads of 128 (`--heads`, `--head-dim`), random queries, keys,
+values and LSH directions. For each sequence length and bucket count, the forward + backward
+time of `hash_sparse_attention(kernel=path)` for each path, each timed right after causal
+`F.scaled_dot_product_attention(is_causal=True)` on the same tensors, so a burst of load from
+other processes hits both alike; a row gives the median over --repeats of those paired ratios.
+Beside them the ideals, from the same hashes:
+
+  tiles   computed tiles / causal tiles at --chunk (`blocks_computed / blocks_causal`), the
+          work of a block-sparse flash kernel with that tile;
+  pairs   allowed (query, key) pairs / causal pairs, the exact work;
+  x/ideal each path's ratio over the tile ideal (1.0 = as fast as the tiles it needs).
+
+Times are process CPU seconds (the one thread's work, which another process's load does not
+lengthen the way it does wall time); `--clock wall` times wall seconds instead. `--flex` adds
+a table of the forward alone, FlexAttention compiled for the CPU against the staircase and
+SDPA (FlexAttention has no CPU backward).
+
+Model mode: `dynmo train --nproc 1` of configs/hashattn-long.toml against the same model with
+`--model.block dense`, --pairs times each, alternating, OMP_NUM_THREADS=1; prints each run's
+mean tokens/s (steps 1 on, from summary.json), the first and last loss, and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from dynmo.model.hashattn import hash_sparse_attention, lsh_buckets
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def clock(kind: str):
+    return time.process_time if kind == "cpu" else time.perf_counter
+
+
+def fwd_bwd(fn, q, k, v, now) -> float:
+    for t in (q, k, v):
+        t.grad = None
+    t0 = now()
+    y = fn(q, k, v)
+    y.backward(torch.ones_like(y))
+    return now() - t0
+
+
+def fwd(fn, q, k, v, now) -> float:
+    with torch.no_grad():
+        t0 = now()
+        fn(q, k, v)
+        return now() - t0
+
+
+def pair_fraction(q, k, planes) -> float:
+    """Allowed (query, key) pairs / causal pairs, from the hashes, without a T x T tensor."""
+    T = q.shape[2]
+    pos = torch.arange(T)
+    with torch.no_grad():
+        bq, bk = lsh_buckets(q, planes), lsh_buckets(k, planes)
+        keys = torch.sort(bk * T + pos, dim=-1).values
+        first = torch.searchsorted(keys, bq * T, right=False)
+        upto = torch.searchsorted(keys, bq * T + pos, right=True)
+    return float((upto - first).sum()) / (q.shape[0] * q.shape[1] * T * (T + 1) / 2)
+
+
+def kernel_table(args) -> None:
+    now = clock(args.clock)
+    H, hd, chunk = args.heads, args.head_dim, args.chunk
+    paths = args.paths.split(",")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), B 1, {H} heads of {hd}, "
+          f"tile {chunk}, {args.clock} seconds, median of {args.repeats} paired repeats")
+    head = "| T | buckets | SDPA s | " + " | ".join(f"{p} s | {p} x" for p in paths)
+    head += " | tile ideal | pair ideal | " + " | ".join(f"{p} x/ideal" for p in paths) + " |"
+    print(head)
+    print("|" + " --- |" * (5 + 3 * len(paths)))
+    for T in (int(s) for s in args.seqs.split(",")):
+        for nb in (int(b) for b in args.buckets.split(",")):
+            gen = torch.Generator().manual_seed(T * 100 + nb)
+            sdpa_s, times, ratios = [], {p: [] for p in paths}, {p: [] for p in paths}
+            tile_ideal = pair_ideal = 0.0
+            for rep in range(args.repeats + 1):  # one warm-up round
+                q, k, v = (torch.randn(1, H, T, hd, generator=gen).requires_grad_() for _ in range(3))
+                planes = torch.randn(H, hd, nb, generator=gen)
+                for p in paths:
+                    s = fwd_bwd(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, k, v, now)
+                    t = fwd_bwd(lambda q, k, v: hash_sparse_attention(q, k, v, planes, chunk, p)[0], q, k, v, now)
+                    if rep:
+                        sdpa_s.append(s)
+                        times[p].append(t)
+                        ratios[p].append(t / s)
+                if rep:
+                    _, info = hash_sparse_attention(q.detach(), k.detach(), v.detach(), planes, chunk, "staircase")
+                    tile_ideal += float(info["blocks_computed"]) / info["blocks_causal"] / args.repeats
+                    pair_ideal += pair_fraction(q, k, planes) / args.repeats
+            row = [f"{T}", f"{nb}", f"{statistics.median(sdpa_s):.3f}"]
+            for p in paths:
+                row += [f"{statistics.median(times[p]):.3f}", f"{statistics.median(ratios[p]):.3f}"]
+            row += [f"{tile_ideal:.3f}", f"{pair_ideal:.3f}"]
+            row += [f"{statistics.median(ratios[p]) / tile_ideal:.2f}" for p in paths]
+            print("| " + " | ".join(row) + " |", flush=True)
+
+
+def flex_table(args) -> None:
+    """Forward alone: FlexAttention compiled for the CPU, the staircase and causal SDPA."""
+    now = clock(args.clock)
+    H, hd, chunk = args.heads, args.head_dim, args.chunk
+    print(f"\nforward only, {args.clock} seconds, median of {args.repeats}; the first flex call of each "
+          f"length compiles (not timed)")
+    print("| T | buckets | SDPA fwd s | staircase fwd x | flex fwd x |")
+    print("| --- | --- | --- | --- | --- |")
+    for T in (int(s) for s in args.seqs.split(",")):
+        for nb in (int(b) for b in args.buckets.split(",")):
+            if nb == 1:
+                continue  # every kernel but tiles runs SDPA itself
+            gen = torch.Generator().manual_seed(T * 100 + nb)
+            r_st, r_fx, sd = [], [], []
+            for rep in range(args.repeats + 1):
+                q, k, v = (torch.randn(1, H, T, hd, generator=gen) for _ in range(3))
+                planes = torch.randn(H, hd, nb, generator=gen)
+                s = fwd(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, k, v, now)
+                a = fwd(lambda q, k, v: hash_sparse_attention(q, k, v, planes, chunk, "staircase")[0], q, k, v, now)
+                b = fwd(lambda q, k, v: hash_sparse_attention(q, k, v, planes, chunk, "flex")[0], q, k, v, now)
+                if rep:
+                    sd.append(s)
+                    r_st.append(a / s)
+                    r_fx.append(b / s)
+            print(f"| {T} | {nb} | {statistics.median(sd):.3f} | {statistics.median(r_st):.3f} | "
+                  f"{statistics.median(r_fx):.3f} |", flush=True)
+
+
+def train_run(config: str, extra: list[str], steps: int, out: Path) -> dict:
+    cmd = ["dynmo", "train", "--nproc", "1", "--config", config, "--steps", str(steps), "--out", str(out),
+           "--log.tensorboard", "false", "--log.progress", "false", *extra]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
+    summary = json.loads((out / "summary.json").read_text())
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {"tokens_per_s": summary["mean_tokens_per_s"], "first_loss": losses[0], "last_loss": losses[-1]}
+
+
+def model_table(args) -> None:
+    config = "configs/hashattn-long.toml"
+    print(f"dynmo train --nproc 1 --config {config} --steps {args.steps}, OMP_NUM_THREADS="
+          f"{os.environ.get('OMP_NUM_THREADS', '1')}, {args.pairs} alternating pairs")
+    print("| pair | model | tokens/s | loss first → last |")
+    print("| --- | --- | --- | --- |")
+    ratios = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.pairs):
+            runs = {}
+            for name, extra in (("hashattn", []), ("dense", ["--model.block", "dense"])):
+                r = runs[name] = train_run(config, extra, args.steps, Path(tmp) / f"{name}-{i}")
+                print(f"| {i} | {name} | {r['tokens_per_s']:.0f} | {r['first_loss']:.3f} → {r['last_loss']:.3f} |",
+                      flush=True)
+            ratios.append(runs["hashattn"]["tokens_per_s"] / runs["dense"]["tokens_per_s"])
+    print(f"\nhashattn / dense tokens/s per pair: {', '.join(f'{r:.2f}' for r in ratios)}; "
+          f"median {statistics.median(ratios):.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seqs", default="2048,4096,8192,16384", help="sequence lengths, comma-separated")
+    ap.add_argument("--buckets", default="1,2,4,8,16", help="LSH bucket counts, comma-separated")
+    ap.add_argument("--paths", default="staircase,tiles", help="kernels to time (staircase, tiles)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--chunk", type=int, default=128, help="the tile of the tile ideal and of the tiles kernel")
+    ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
+    ap.add_argument("--flex", action="store_true", help="also the forward-only table with compiled FlexAttention")
+    ap.add_argument("--model", action="store_true", help="time dynmo train of the long config against dense instead")
+    ap.add_argument("--steps", type=int, default=12, help="--model: training steps per run")
+    ap.add_argument("--pairs", type=int, default=2, help="--model: alternating (hashattn, dense) pairs")
+    args = ap.parse_args(argv)
+    if args.model:
+        model_table(args)
+        return 0
+    torch.set_num_threads(1)
+    kernel_table(args)
+    if args.flex:
+        flex_table(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
