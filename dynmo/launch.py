@@ -9,8 +9,9 @@ and `--overwrite true`. Everything after the known flags is passed on as config 
 (docs/failures.md: restarts, elastic jobs, several machines, SLURM).
 
 Bad input the checks can see is one line and exit status 2 before anything starts. torchrun's
-agent runs in a process of its own (`agent`, `python -m dynmo.launch --agent ...`) that reports
-a worker's failure as one line too, the first failing rank's, instead of torchrun's report.
+agent runs in a process of its own (`dynmo.agent`) that reports a worker's failure as one line
+too, the first failing rank's, instead of torchrun's report; it starts the workers from a fork
+server that imported `dynmo.train` once.
 
 A run that grows back onto ranks a re-pack released ends with every worker at exit status 0
 and, as the newest checkpoint of its run folder, one saved for the grow (`grow` in its
@@ -21,10 +22,8 @@ the same --nproc and --nnodes, resuming from that checkpoint (docs/failures.md).
 from __future__ import annotations
 
 import argparse
-import collections
 import ctypes
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -36,9 +35,12 @@ from dynmo import checks, rundir
 from dynmo.config import ConfigError, load_config
 
 STOP_GRACE_S = 20  # after a forwarded signal, how long torchrun gets to stop its workers
-AGENT_FLAG = "--agent"  # `python -m dynmo.launch --agent RUN_FOLDER ...`: torchrun's agent (`agent`)
 # Set for the workers of `dynmo train`: its agent prints the first failing rank's line, so they do not.
 LAUNCHED = "DYNMO_LAUNCHED"
+# How torchrun starts the workers: `dynmo/train.py` run as __main__ in a process forked from the
+# agent's fork server, which imported `dynmo.train` once (`dynmo.agent.WORKER_PRELOAD`); a fresh
+# interpreter per worker would import torch and dynmo again, about 3 s of CPU each.
+WORKER_ARGS = ["--start-method=forkserver", "--run-path", str(Path(__file__).with_name("train.py"))]
 
 
 def _term_with_parent() -> None:
@@ -73,67 +75,6 @@ def _run_forwarding_signals(cmd: list[str], env: dict) -> int:
         for sig, handler in old.items():
             signal.signal(sig, handler)
     return 128 + got[0] if got else rc
-
-
-class _HeldLogs(logging.Handler):
-    """Keeps torchrun's last log lines instead of printing them."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: collections.deque[str] = collections.deque(maxlen=200)
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(self.format(record))
-
-
-def _hold_torch_logs() -> _HeldLogs:
-    """Route torch.distributed's log records (torchrun's "Sending process ... SIGTERM", "failed
-    (exitcode: 1)", ...) into a buffer: this process runs no training, only torchrun."""
-    held = _HeldLogs()
-    logger = logging.getLogger("torch.distributed")
-    for handler in list(logger.handlers):
-        logger.removeHandler(handler)
-    logger.addHandler(held)
-    logger.propagate = False
-    return held
-
-
-def agent(argv: list[str]) -> int:
-    """torchrun's elastic agent, run in this process: `python -m dynmo.launch --agent RUN_FOLDER
-    TORCHRUN-ARGS`, which `dynmo train` starts instead of `python -m torch.distributed.run`.
-
-    torchrun reports a failed worker with its own log lines and a ChildFailedError block of
-    tracebacks, whatever the worker said. Here a failed job is reported as the line of the rank
-    that failed first, from the record it left in torchrun's error file
-    (`dynmo.runtime.failures.first_failure`), with that rank's exit status: 2 for bad input, 1
-    for a failed run. torchrun's log lines are held back and shown only if torchrun itself
-    fails (a rendezvous that cannot start, say), before its traceback."""
-    import shutil
-    import tempfile
-
-    from torch.distributed import run as torchrun
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    run_folder, rest = argv[0], argv[1:]
-    held = _hold_torch_logs()
-    logs = tempfile.mkdtemp(prefix="dynmo-torchrun-")  # the workers' error files; removed at the end
-    try:
-        torchrun.run(torchrun.parse_args([f"--log-dir={logs}", *rest]))
-    except ChildFailedError as e:
-        from dynmo.runtime.failures import first_failure
-
-        text, status = first_failure(e.failures, run_folder)
-        print(text, end="", file=sys.stderr, flush=True)
-        return status
-    except SignalException as e:  # a signal the launcher forwarded: the workers are stopped
-        return 128 + int(e.sigval)
-    except BaseException:
-        print("\n".join(held.lines), file=sys.stderr)
-        raise
-    finally:
-        shutil.rmtree(logs, ignore_errors=True)
-    return 0
 
 
 def _node_args(args) -> list[str]:
@@ -283,8 +224,8 @@ def main(argv: list[str]) -> int:
     except DataError as e:
         print(f"dynmo train: error: {e}", file=sys.stderr)
         return 2
-    cmd = [sys.executable, "-m", "dynmo.launch", AGENT_FLAG, cfg.out, *node, f"--nproc-per-node={args.nproc}",
-           f"--max-restarts={args.max_restarts}", "-m", "dynmo.train"]
+    cmd = [sys.executable, "-m", "dynmo.agent", cfg.out, *node, f"--nproc-per-node={args.nproc}",
+           f"--max-restarts={args.max_restarts}", *WORKER_ARGS]
     if args.config:
         cmd += ["--config", args.config]
     cmd += overrides
@@ -296,9 +237,3 @@ def main(argv: list[str]) -> int:
     # peers' addresses from the failed attempt and cannot connect.
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     return _run_growing(cmd, env, cfg.out, cfg.checkpoint.resume or None, args.nproc, node != ["--standalone"])
-
-
-if __name__ == "__main__":
-    if sys.argv[1:2] != [AGENT_FLAG]:
-        sys.exit(f"usage: python -m dynmo.launch {AGENT_FLAG} RUN_FOLDER TORCHRUN-ARGS (dynmo train starts it)")
-    sys.exit(agent(sys.argv[2:]))

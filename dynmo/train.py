@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     whole_lines()
+    if os.environ.get(LAUNCHED) == "1":
+        failures.detach(rank)
     failures.die_with_parent()
     try:
         cfg = load_config(known.config, overrides)

@@ -150,28 +150,35 @@ def test_keep_removes_all_but_the_newest_checkpoints(tmp_path):
 # ---- bounded failure ---------------------------------------------------------------------------
 
 
-def _procs_mentioning(text: str) -> list[int]:
-    found = []
+def _processes() -> dict[int, tuple[int, str]]:
+    """Every live process (zombies aside): pid -> (parent pid, name)."""
+    found = {}
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
-                if text in (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
-                    found.append(int(d.name))
+                stat = (d / "stat").read_text()
             except OSError:
-                pass
+                continue
+            name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+            if rest[0] != "Z":
+                found[int(d.name)] = (int(rest[1]), name)
     return found
 
 
-def _rank_pid(out: Path, rank: int) -> int | None:
-    for pid in _procs_mentioning(str(out)):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"dynmo.train" in cmd and f"RANK={rank}".encode() in env:
-            return pid
-    return None
+def _job(launcher: int) -> dict[int, str]:
+    """The launcher's process tree (launcher, torchrun's agent, its fork server, the workers):
+    pid -> name. The workers live in sessions of their own, so the tree is the way to find them."""
+    procs, job, todo = _processes(), {}, [launcher]
+    while todo:
+        pid = todo.pop()
+        if pid in procs:
+            job[pid] = procs[pid][1]
+            todo += [child for child, (parent, _) in procs.items() if parent == pid]
+    return job
+
+
+def _rank_pid(launcher: int, rank: int) -> int | None:
+    return next((pid for pid, name in _job(launcher).items() if name == f"dynmo-rank{rank}"), None)
 
 
 def _start(out: Path, *args: str) -> subprocess.Popen:
@@ -191,26 +198,31 @@ def _wait_for_steps(out: Path, proc: subprocess.Popen, n: int, limit: float = 24
     raise AssertionError(f"no {n} steps within {limit} s")
 
 
-def _gone_within(out: Path, seconds: float) -> list[int]:
+def _gone_within(pids, seconds: float) -> list[int]:
+    """Those of `pids` still alive after up to `seconds`."""
     end = time.monotonic() + seconds
-    while time.monotonic() < end and _procs_mentioning(str(out)):
+    while time.monotonic() < end and set(pids) & set(_processes()):
         time.sleep(0.2)
-    return _procs_mentioning(str(out))
+    return sorted(set(pids) & set(_processes()))
 
 
 @pytest.mark.parametrize("how", ["SIGTERM to the launcher", "SIGKILL to its process group"])
 def test_no_process_outlives_a_killed_launcher(tmp_path, how):
     proc = _start(tmp_path, "--steps", "100000")
+    job = {}
     try:
         _wait_for_steps(tmp_path, proc, 2)
-        assert len(_procs_mentioning(str(tmp_path))) >= 4  # launcher, torchrun, two workers
+        job = _job(proc.pid)
+        assert sorted(n for n in job.values() if n.startswith("dynmo-rank")) == ["dynmo-rank0", "dynmo-rank1"]
+        assert len(job) >= 5, job  # launcher, torchrun's agent, its fork server, two workers
         if how.startswith("SIGTERM"):
             proc.send_signal(signal.SIGTERM)
         else:
             os.killpg(proc.pid, signal.SIGKILL)  # workers live in their own sessions: not in this group
-        assert _gone_within(tmp_path, 30) == []
+        proc.wait(timeout=60)
+        assert _gone_within(job, 30) == []
     finally:
-        for pid in _procs_mentioning(str(tmp_path)):
+        for pid in _gone_within(job, 0):
             os.kill(pid, signal.SIGKILL)
         proc.wait()
 
@@ -218,19 +230,21 @@ def test_no_process_outlives_a_killed_launcher(tmp_path, how):
 def test_a_hung_rank_ends_the_job_naming_it(tmp_path):
     # the timeout is well above any healthy wait on a slow, busy machine; the stopped rank never answers
     proc = _start(tmp_path, "--steps", "100000", "--parallel.timeout_s", "15", "--checkpoint.every", "2")
+    job = {}
     try:
         _wait_for_steps(tmp_path, proc, 3)
-        pid = _rank_pid(tmp_path, 1)
-        assert pid is not None
+        job = _job(proc.pid)
+        pid = _rank_pid(proc.pid, 1)
+        assert pid is not None, job
         os.kill(pid, signal.SIGSTOP)
         _, err = proc.communicate(timeout=180)
         assert proc.returncode != 0
         assert re.search(r"rank 0 at step \d+: rank 1 stopped responding", err), err[-3000:]
         assert "The last complete checkpoint is" in err
         assert len(err.strip().splitlines()) <= 3 and "Traceback" not in err, err[-3000:]  # one line, not torchrun's
-        assert _gone_within(tmp_path, 30) == []
+        assert _gone_within(job, 30) == []
     finally:
-        for pid in _procs_mentioning(str(tmp_path)):
+        for pid in _gone_within(job, 0):
             os.kill(pid, signal.SIGCONT)
             os.kill(pid, signal.SIGKILL)
         proc.wait()

@@ -24,15 +24,17 @@ from dynmo import hf_config, rundir
 from dynmo.config import Config, ConfigError, apply_dict
 from tests.conftest import metrics, run_train
 
+# Run at start-up by every process of the job; the workers are forked from a fork server that
+# started before any rank existed, so the rank is read when the step runs.
 BOOM = '''
 import os
-if os.environ.get("RANK") == "1":
+if os.environ.get("DYNMO_LAUNCHED") == "1":  # torchrun's agent and the workers' fork server
     import dynmo.trainer
 
     _step = dynmo.trainer.Trainer._train_step
 
     def _train_step(self, step, events):
-        if step == 1:
+        if step == 1 and os.environ.get("RANK") == "1":
             raise RuntimeError("injected at step 1")
         return _step(self, step, events)
 

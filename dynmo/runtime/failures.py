@@ -65,6 +65,22 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+def detach(rank: int) -> None:
+    """A worker of `dynmo train` (forked from its agent's fork server): a session of its own, as
+    torchrun gives the workers it starts as commands, so a terminal's ^C reaches the launcher
+    (which stops the job in order) and not every worker at once; and the process name
+    `dynmo-rank<N>` (Linux: what `top`, `ps -o comm` and `pgrep` show)."""
+    try:
+        os.setsid()
+    except OSError:  # already a session leader
+        pass
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(15, f"dynmo-rank{rank}".encode()[:15])  # PR_SET_NAME
+        except (OSError, AttributeError):
+            pass
+
+
 def restart_resume(cfg: Config) -> int:
     """After torchrun restarted the job (`dynmo train --max-restarts N`), resume from the newest
     complete checkpoint in the run folder that passes the checks (`checkpoint.resume = latest`,
@@ -249,6 +265,20 @@ def _discard(temporary: Any) -> None:
         Path(temporary).unlink(missing_ok=True)
 
 
+def _sibling_records(failed: dict[int, Any]) -> list[dict]:
+    """dynmo's records in the error files of this attempt's other workers on this machine
+    (`<log dir>/<run>/attempt_<n>/<local rank>/error.json`). torchrun lists every worker that
+    failed when it starts them as commands, but only the first it joined when it forks them
+    (multiprocessing), though another may have failed first and left its record."""
+    named = {str(Path(f.error_file)) for f in failed.values() if getattr(f, "error_file", None)}
+    found = []
+    for attempt in {Path(path).parent.parent for path in named}:
+        for path in sorted(attempt.glob("*/error.json")):
+            if str(path) not in named and (rec := _record(_read_json(path))):
+                found.append(rec)
+    return found
+
+
 def first_failure(failed: dict[int, Any], run_folder: str | None = None) -> tuple[str, int]:
     """What `dynmo train` prints when torchrun's job failed, and its exit status. `failed`:
     global rank -> torchrun's `ProcessFailure` (its `error_file_data` is the rank's error file).
@@ -259,6 +289,7 @@ def first_failure(failed: dict[int, Any], run_folder: str | None = None) -> tupl
     killed by a signal, or crashed in native code), the first failure torchrun saw that it
     did not cause itself is named, status 1."""
     records = [(rec["time_ns"], rank, rec) for rank, f in failed.items() if (rec := _record(f.error_file_data))]
+    records += [(rec["time_ns"], -1, rec) for rec in _sibling_records(failed)]
     if records:
         _, _, rec = min(records)
         for _, _, other in records:

@@ -1,0 +1,91 @@
+"""torchrun's elastic agent for `dynmo train`, in a process of its own:
+
+    python -m dynmo.agent RUN_FOLDER TORCHRUN-ARGS     (`dynmo train` starts it; dynmo.launch)
+
+It runs torchrun's own `run` on the arguments, with two differences a user sees only as speed
+and quieter failures: the workers are forked from a fork server that imported `dynmo.train`
+(and torch) once for the agent's lifetime (`WORKER_PRELOAD`; `dynmo.launch.WORKER_ARGS` asks
+torchrun for `--start-method forkserver --run-path dynmo/train.py`), not each a fresh
+interpreter importing them again, also at every restart; and a failed job is reported as the
+line of the rank that failed first (`agent`), not as torchrun's report. Import-light, and
+imported by no other module: multiprocessing runs it again (as `__mp_main__`) in each worker.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import sys
+
+# What the fork server imports before it forks a worker (`dynmo.launch.WORKER_ARGS` makes
+# torchrun start the workers this way).
+WORKER_PRELOAD = ["dynmo.train"]
+
+
+class _HeldLogs(logging.Handler):
+    """Keeps torchrun's last log lines instead of printing them."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: collections.deque[str] = collections.deque(maxlen=200)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+
+
+def _hold_torch_logs() -> _HeldLogs:
+    """Route torch.distributed's log records (torchrun's "Sending process ... SIGTERM", "failed
+    (exitcode: 1)", ...) into a buffer: this process runs no training, only torchrun."""
+    held = _HeldLogs()
+    logger = logging.getLogger("torch.distributed")
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+    logger.addHandler(held)
+    logger.propagate = False
+    return held
+
+
+def agent(argv: list[str]) -> int:
+    """torchrun's elastic agent, run in this process: `python -m dynmo.agent RUN_FOLDER
+    TORCHRUN-ARGS`, which `dynmo train` starts instead of `python -m torch.distributed.run`.
+
+    torchrun reports a failed worker with its own log lines and a ChildFailedError block of
+    tracebacks, whatever the worker said. Here a failed job is reported as the line of the rank
+    that failed first, from the record it left in torchrun's error file
+    (`dynmo.runtime.failures.first_failure`), with that rank's exit status: 2 for bad input, 1
+    for a failed run. torchrun's log lines are held back and shown only if torchrun itself
+    fails (a rendezvous that cannot start, say), before its traceback."""
+    import multiprocessing.forkserver
+    import shutil
+    import tempfile
+
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    run_folder, rest = argv[0], argv[1:]
+    held = _hold_torch_logs()
+    multiprocessing.forkserver.set_forkserver_preload(WORKER_PRELOAD)  # read when the server starts
+    logs = tempfile.mkdtemp(prefix="dynmo-torchrun-")  # the workers' error files; removed at the end
+    try:
+        torchrun.run(torchrun.parse_args([f"--log-dir={logs}", *rest]))
+    except ChildFailedError as e:
+        from dynmo.runtime.failures import first_failure
+
+        text, status = first_failure(e.failures, run_folder)
+        print(text, end="", file=sys.stderr, flush=True)
+        return status
+    except SignalException as e:  # a signal the launcher forwarded: the workers are stopped
+        return 128 + int(e.sigval)
+    except BaseException:
+        print("\n".join(held.lines), file=sys.stderr)
+        raise
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit("usage: python -m dynmo.agent RUN_FOLDER TORCHRUN-ARGS (dynmo train starts it)")
+    sys.exit(agent(sys.argv[1:]))
