@@ -46,6 +46,7 @@ gradients without accumulation hooks, so there it reads 0 for every block).
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -116,8 +117,14 @@ class Freeze(Case):
         return step >= 0 and (step - self.opts.start_step) % self.opts.every == 0
 
     def _count_wgrads(self, i: int, layer: nn.Module) -> None:
+        # A tensor keeps its hooks where Python's garbage collector cannot see them: a hook that
+        # held this case would keep it, its host, the model and the optimizer alive after the run.
+        case = weakref.ref(self)
+
         def hook(p, i=i):
-            self.wgrad[i] = self.wgrad.get(i, 0) + p.numel()
+            me = case()
+            if me is not None:
+                me.wgrad[i] = me.wgrad.get(i, 0) + p.numel()
 
         for p in layer.parameters():
             if p.requires_grad:
