@@ -215,3 +215,41 @@ def test_predictor_routing_is_causal_and_bypasses_the_rest():
         x2[:, 9:] = torch.randn(B, T - 9, D)  # change the future
         out2, _ = block(x2, mask)
     torch.testing.assert_close(out2[:, :9], out[:, :9], atol=1e-6, rtol=0)
+
+
+class _NoDeviceReads(TorchDispatchMode):
+    """Fails on every op that reads a device value back to the host (on a GPU, a
+    synchronisation): a scalar read (`item`, `int`, `float`, `bool`) or `nonzero`."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten._local_scalar_dense, torch.ops.aten.nonzero):
+            raise AssertionError(f"{func} reads a device value")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+@pytest.mark.parametrize("part", [None, "halves"])
+def test_top_k_routing_never_reads_the_device(family, part):
+    """Forward and backward of a top-k MoD block, whole or as its two halves, over two
+    microbatches with inactive tokens: no host synchronisation; the stats, read once after,
+    are the right numbers."""
+    from dynmo.model.stats import as_numbers
+
+    cfg = ModelConfig(d_model=D, n_heads=2, seq_len=T, n_layers=2, mlp_ratio=2, block="mod", family=family,
+                      mod=MoDOptions(capacity=0.25))
+    block = build_layer(LayerSpec("t", 0), cfg, seed=0)
+    k = block.tokens_per_sequence(T)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[0, :3] = False
+    with _NoDeviceReads():
+        for _ in range(2):
+            x = torch.randn(B, T, D, requires_grad=True)
+            if part:
+                y = block.mlp_half(*block.attn_half(x, mask))[0]
+            else:
+                y = block(x, mask)[0]
+            y.square().sum().backward()
+    (stats,) = as_numbers([block.last_stats])
+    assert stats["rows"] == 2 * B * k and stats["forwards"] == 2
+    assert stats["active_tokens"] == 2 * (B * T - 3)
+    assert 0 < stats["tokens_processed"] <= 2 * B * k and 0 <= stats["predictor_accuracy"] <= 1

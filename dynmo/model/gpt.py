@@ -168,11 +168,12 @@ class Block(SkipsInactive):
         return self.mlp(self.ln2(x))
 
 
-def active_rows(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def active_rows(mask: torch.Tensor, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per sequence, the active positions in position order, padded with inactive positions up
-    to the most active sequence's count: (idx, valid), both [B, A]."""
+    to the most active sequence's count, or to `width` where the caller knows a bound on it
+    (then no host synchronisation reads the count): (idx, valid), both [B, A]."""
     T = mask.shape[1]
-    A = int(mask.sum(1).max())
+    A = int(mask.sum(1).max()) if width is None else width
     pos = torch.arange(T, device=mask.device)
     # inactive positions sort after the active ones and stay distinct, so a scatter to idx
     # writes every position at most once

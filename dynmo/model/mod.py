@@ -41,7 +41,9 @@ Per-layer stats (`block.last_stats`, summed over the forwards since `block.reset
 rows (token rows the block computed: its cost, B x k per forward), tokens_processed (active
 chosen tokens), active_tokens, capacity, attn_pairs (causal query-key pairs among chosen
 tokens), predictor_accuracy and aux_loss (means), forwards. A split block's MLP half reports
-its own rows, tokens_processed and forwards; its attention half everything else.
+its own rows, tokens_processed and forwards; its attention half everything else. The
+measured ones stay device tensors until the metrics read them (`dynmo.model.stats.as_numbers`,
+once per step); with top-k routing no step of the block waits on the device.
 """
 
 from __future__ import annotations
@@ -174,28 +176,32 @@ class MoDRouting(Halves, nn.Module):
     def mlp_half(self, h: torch.Tensor, mask: torch.Tensor, route: torch.Tensor, chosen: torch.Tensor):
         """The MLP's weighted update of the rows the attention half chose (in position order,
         padded to the sequence with most of them); every other row passes bit for bit."""
-        D = h.shape[-1]
-        idx, valid = active_rows(chosen)
+        T, D = h.shape[1:]
+        # top-k routing chose at most k tokens a sequence: k rows, padded, with no host
+        # synchronisation; the predictor's count is the data's
+        width = self.tokens_per_sequence(T) if self.opts.routing == "topk" else None
+        idx, valid = active_rows(chosen, width)
         g = idx.unsqueeze(-1).expand(-1, -1, D)
         sel = h.gather(1, g)
         w = route.gather(1, idx).unsqueeze(-1)
         new = torch.where(valid.unsqueeze(-1), sel + w * self.feed(sel), sel)
         if self.part == "mlp":  # a whole block counted its rows in its attention half
-            self._stats.add(rows=idx.shape[0] * idx.shape[1], tokens_processed=int(valid.sum()))
+            self._stats.add(rows=idx.shape[0] * idx.shape[1], tokens_processed=valid.sum())
         return h.scatter(1, g, new), mask
 
     @torch.no_grad()
     def _record(self, k: int, valid, mask, pred, target, aux) -> None:
+        # device tensors, summed where they are; the metrics read them once a step
         B = mask.shape[0]
-        n_active = int(mask.sum())
+        n_active = mask.sum()
         agree = (((pred > 0) == target) & mask).sum()
         self._stats.add(
             rows=B * k,
             attn_pairs=B * k * (k + 1) // 2,
-            tokens_processed=int(valid.sum()),
+            tokens_processed=valid.sum(),
             active_tokens=n_active,
-            predictor_accuracy=float(agree) / max(1, n_active),
-            aux_loss=float(aux),
+            predictor_accuracy=agree / n_active.clamp_min(1),
+            aux_loss=aux.detach(),
         )
 
 
