@@ -1,6 +1,6 @@
-"""`dynmo tensor`: tools for sparse tensors (numpy only; no torch is imported).
+"""`dynmo tensor`: tools for sparse tensors (numpy only, DuckDB for --memory-gb; no torch is imported).
 
-    dynmo tensor features FILE.tns [--sizes I,J,K] [--header | --no-header]
+    dynmo tensor features FILE.tns [--sizes I,J,K] [--header | --no-header] [--memory-gb G [--tmp DIR]]
                           [--json OUT] [--csv OUT] [--plot OUT.png] [--overwrite] [--quiet]
     dynmo tensor generate --sizes I,J,K[,...] --density D [--slice-density S] [--fiber-density F]
                           [--cv-fibers-per-slice C] [--cv-nnz-per-fiber V] [--seed R]
@@ -39,7 +39,8 @@ EXAMPLES = {
          "dynmo tensor features plays3.tns --json plays3.json",
          "dynmo tensor generate --like plays3.tns --scale 2 --out sibling.tns"],
     "features": ["dynmo tensor features plays3.tns",
-                 "dynmo tensor features plays3.tns --json plays3.json --csv plays3.csv --plot plays3.png --overwrite"],
+                 "dynmo tensor features plays3.tns --json plays3.json --csv plays3.csv --plot plays3.png --overwrite",
+                 "dynmo tensor features big.tns --memory-gb 0.5 --json big.json"],
     "generate": ["dynmo tensor generate --sizes 200,300,400 --density 5e-4 --out synthetic.tns",
                  "dynmo tensor generate --sizes 200,300,400 --density 5e-4 --fiber-density 0.02 "
                  "--cv-nnz-per-fiber 1 --seed 7 --out skewed.tns",
@@ -80,6 +81,11 @@ def _parser() -> ArgumentParser:
     f.add_argument("--json", metavar="OUT", help="write the features as JSON")
     f.add_argument("--csv", metavar="OUT", help="write the features as one CSV row under a header")
     f.add_argument("--plot", metavar="OUT.png", help="plot the distributions (log-log)")
+    f.add_argument("--memory-gb", type=float, metavar="G",
+                   help="stay within about G GB (plus the interpreter) for a tensor larger than memory: the "
+                        "same features, counted by DuckDB out of core (default: all in memory)")
+    f.add_argument("--tmp", metavar="DIR", help="with --memory-gb: where the temporary files go (default: the "
+                                                "folder of --json or --csv, else the current one); removed after")
     f.add_argument("--overwrite", action="store_true", help="replace output files that exist")
     f.add_argument("--quiet", action="store_true", help="no progress on stderr, no table on stdout")
     g = sub.add_parser("generate", prog=f"{PROG} generate", help="a tensor with the features asked for",
@@ -173,6 +179,23 @@ class _Progress:
             print(f"{msg} ({time.perf_counter() - self.t0:.1f} s)", file=sys.stderr, flush=True)
 
 
+def _tmp_dir(args) -> str | None:
+    """Where --memory-gb's temporary files go (checked before any work), None without it."""
+    if args.memory_gb is None:
+        if args.tmp:
+            raise InputError("--tmp is for --memory-gb's temporary files; give --memory-gb too")
+        return None
+    if not args.memory_gb > 0:
+        raise InputError(f"--memory-gb {args.memory_gb}: give a positive number of GB, e.g. --memory-gb 0.5")
+    if args.plot:
+        raise InputError("--plot draws every count, which --memory-gb does not keep; plot without --memory-gb")
+    outs = [Path(p).resolve().parent for p in (args.json, args.csv) if p]
+    tmp = Path(args.tmp) if args.tmp else (outs[0] if outs else Path.cwd())
+    if not tmp.is_dir() or not os.access(tmp, os.W_OK):
+        raise InputError(f"--tmp {tmp}: not a folder this process can write to")
+    return str(tmp)
+
+
 def _features(args) -> int:
     from dynmo.tensor import report
     from dynmo.tensor.coo import TensorError
@@ -182,13 +205,20 @@ def _features(args) -> int:
     sizes = _sizes(args.sizes)
     for path, flag in ((args.json, "--json"), (args.csv, "--csv"), (args.plot, "--plot")):
         _check_out(path, args.overwrite, flag)
+    tmp = _tmp_dir(args)
     total = os.path.getsize(args.file) if os.path.isfile(args.file) else 0
     prog = _Progress(args.quiet or total <= PROGRESS_BYTES)
     prog.say(f"reading {args.file} ({total / 2**20:.0f} MB)")
     try:
-        t = read_tns(args.file, sizes=sizes, header=args.header, values=False)
-        prog.say(f"read {t.nnz} nonzeros, order {t.order}, sizes {'x'.join(map(str, t.sizes))}")
-        feats = features(t, progress=prog.say)
+        if args.memory_gb is not None:
+            from dynmo.tensor.outofcore import features_within
+
+            feats = features_within(args.file, args.memory_gb, tmp, sizes=sizes, header=args.header,
+                                    progress=prog.say)
+        else:
+            t = read_tns(args.file, sizes=sizes, header=args.header, values=False)
+            prog.say(f"read {t.nnz} nonzeros, order {t.order}, sizes {'x'.join(map(str, t.sizes))}")
+            feats = features(t, progress=prog.say)
     except DuplicateError as e:
         a, b = line_numbers(args.file, list(e.entries), header=args.header)
         raise InputError(f"{args.file}:{b}: {e} (first at line {a}); a coordinate may appear once") from None

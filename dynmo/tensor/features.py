@@ -49,25 +49,49 @@ class DuplicateError(TensorError):
         self.entries = entries
 
 
-def distribution_stats(counts: np.ndarray, all_cnt: int) -> dict[str, float | int]:
-    """The fifteen statistics of a distribution: `counts` of its nonempty groups, `all_cnt` groups
-    in all (the rest empty)."""
-    c = np.asarray(counts)
-    nz = int(c.size)
-    if nz == 0:
-        raise ValueError("a distribution needs at least one nonempty group")
-    mx, mn, total = int(c.max()), int(c.min()), int(c.sum())
-    cf = c.astype(np.float64)
+@dataclass(frozen=True)
+class Moments:
+    """What the statistics of a distribution need of its nonempty groups' counts: how many,
+    their sum, largest, smallest and sum of squares (Python ints: exact at any size). Counts seen
+    in parts (an out-of-core pass) combine with `+`."""
+
+    nz: int
+    total: int
+    max: int
+    min: int
+    sumsq: int
+
+    @classmethod
+    def of(cls, counts: np.ndarray) -> "Moments":
+        c = np.asarray(counts)
+        if c.size == 0:
+            raise ValueError("a distribution needs at least one nonempty group")
+        c64 = c.astype(np.int64)
+        return cls(int(c.size), int(c64.sum()), int(c.max()), int(c.min()), int(np.dot(c64, c64)))
+
+    def __add__(self, other: "Moments") -> "Moments":
+        return Moments(self.nz + other.nz, self.total + other.total, max(self.max, other.max),
+                       min(self.min, other.min), self.sumsq + other.sumsq)
+
+
+def moments_stats(m: Moments, all_cnt: int) -> dict[str, float | int]:
+    """The fifteen statistics of a distribution from its nonempty groups' moments, `all_cnt`
+    groups in all (the rest empty). The variances are exact rationals rounded once (Python
+    integers), so every way of counting the groups gives the same numbers."""
+    nz, total, mx, mn = m.nz, m.total, m.max, m.min
     avg = total / all_cnt
-    d = cf - avg
-    var = (float(np.dot(d, d)) + (all_cnt - nz) * avg * avg) / all_cnt
-    std = math.sqrt(var)
+    std = math.sqrt((all_cnt * m.sumsq - total * total) / (all_cnt * all_cnt))
     avg_nz = total / nz
-    d = cf - avg_nz
-    std_nz = math.sqrt(float(np.dot(d, d)) / nz)
+    std_nz = math.sqrt((nz * m.sumsq - total * total) / (nz * nz))
     return {"all_cnt": all_cnt, "nz_cnt": nz, "nz_density": nz / all_cnt, "max": mx, "min": mn, "dev": mx - mn,
             "sum": total, "avg": avg, "imbal": mx / avg - 1.0, "stDev": std, "cv": std / avg,
             "avg_onlynz": avg_nz, "imbal_onlynz": mx / avg_nz - 1.0, "stDev_onlynz": std_nz, "cv_onlynz": std_nz / avg_nz}
+
+
+def distribution_stats(counts: np.ndarray, all_cnt: int) -> dict[str, float | int]:
+    """The fifteen statistics of a distribution: `counts` of its nonempty groups, `all_cnt` groups
+    in all (the rest empty)."""
+    return moments_stats(Moments.of(counts), all_cnt)
 
 
 @dataclass
@@ -77,11 +101,22 @@ class Distribution:
     kind: str  # one of KINDS
     free_modes: tuple[int, ...]  # 0-based, ascending: the modes that vary inside the slice or fiber
     all_cnt: int
-    counts: np.ndarray  # nonempty groups' counts (int32 below 2**31 nonzeros), in key order
+    # nonempty groups' counts (int32 below 2**31 nonzeros), in key order; None where only their
+    # moments were kept (computed out of core)
+    counts: np.ndarray | None
     fiber_mode: int | None = None  # fibers_per_slice: the free mode of the fibers counted
+    moments: Moments | None = None  # of the counts; derived from them when not given
+
+    def __post_init__(self) -> None:
+        if self.moments is None:
+            self.moments = Moments.of(self.counts)
+
+    @property
+    def nz_cnt(self) -> int:
+        return self.moments.nz
 
     def stats(self) -> dict[str, float | int]:
-        return distribution_stats(self.counts, self.all_cnt)
+        return moments_stats(self.moments, self.all_cnt)
 
     def entry(self) -> dict:
         out: dict = {"free_modes": list(self.free_modes)}
@@ -175,14 +210,23 @@ def features(t: SparseTensor, progress: Callable[[str], None] | None = None) -> 
                                 fiber_mode=a))
         say(f"features: slices of modes ({b}, {a}) done, {k} of {len(pairs)}")
 
-    fiber_list = [fibers[m] for m in range(n_modes)]
+    return assemble(t.name, tuple(sizes), t.nnz, slices, [fibers[m] for m in range(n_modes)], fps)
+
+
+def assemble(name: str, sizes: tuple[int, ...], nnz: int, slices: list[Distribution], fibers: list[Distribution],
+             fps: list[Distribution]) -> TensorFeatures:
+    """The features from the distributions (slices of every pair of modes in FeaTensor's order,
+    fibers of every mode, fibers per slice), however they were counted."""
     slice_cnt = sum(d.all_cnt for d in slices)
-    fiber_cnt = sum(d.all_cnt for d in fiber_list)
-    nnz_slice_cnt = sum(int(d.counts.size) for d in slices)
-    nnz_fiber_cnt = sum(int(d.counts.size) for d in fiber_list)
+    fiber_cnt = sum(d.all_cnt for d in fibers)
+    nnz_slice_cnt = sum(d.nz_cnt for d in slices)
+    nnz_fiber_cnt = sum(d.nz_cnt for d in fibers)
+    density = float(nnz)
+    for size in sizes:  # one division per mode, as FeaTensor divides (`SparseTensor.density`)
+        density /= size
     return TensorFeatures(
-        name=t.name, order=n_modes, sizes=tuple(sizes), nnz=t.nnz, density=t.density,
+        name=name, order=len(sizes), sizes=tuple(sizes), nnz=nnz, density=density,
         slice_cnt=slice_cnt, fiber_cnt=fiber_cnt, nnz_slice_cnt=nnz_slice_cnt, nnz_fiber_cnt=nnz_fiber_cnt,
         slice_density=nnz_slice_cnt / slice_cnt, fiber_density=nnz_fiber_cnt / fiber_cnt,
-        distributions=slices + fiber_list + fps,
+        distributions=slices + fibers + fps,
     )
