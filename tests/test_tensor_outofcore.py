@@ -118,3 +118,53 @@ def test_the_cli_writes_what_the_in_memory_path_writes(tmp_path):
                            "--quiet", *flag]) == 0
     assert json.loads((tmp_path / "ooc.json").read_text()) == json.loads((tmp_path / "mem.json").read_text())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mem.json", "ooc.json", "t.tns"]
+
+
+# ---- Parquet: `dynmo tensor convert`, read in memory and out of core -------------------------
+
+
+@settings(max_examples=12, deadline=None)
+@given(order=st.integers(2, 4), nnz=st.integers(1, 300), seed=st.integers(0, 2**16), header=st.booleans())
+def test_a_converted_tensor_has_the_same_features_and_values(tmp_path_factory, order, nnz, seed, header):
+    from dynmo.tensor.parquet import read_parquet
+
+    tmp = tmp_path_factory.mktemp("pq")
+    t = random_tensor(np.random.default_rng(seed), order, nnz, 1.0)
+    if header:  # sizes beyond the largest indices: only the header (then the metadata) knows them
+        t = from_coo(t.coords, t.values, sizes=tuple(s + 3 for s in t.sizes))
+    write_tns(t, tmp / "t.tns", header=header)
+    assert dynmo_main(["tensor", "convert", str(tmp / "t.tns"), str(tmp / "t.parquet")]) == 0
+    text, binary = read_tns(tmp / "t.tns"), read_parquet(tmp / "t.parquet")
+    assert binary.sizes == text.sizes and np.array_equal(binary.coords, text.coords)
+    assert np.array_equal(binary.values, text.values)
+    mem = features(text).to_dict()
+    for got in (features(binary).to_dict(), outofcore.features_within(tmp / "t.parquet", 0.5, tmp).to_dict()):
+        got["name"] = mem["name"]
+        assert got == mem
+    assert sorted(p.name for p in tmp.iterdir()) == ["t.parquet", "t.tns"]
+
+
+@pytest.mark.parametrize("text,message", BAD)
+def test_convert_refuses_what_features_refuses(tmp_path, text, message, capsys):
+    write(tmp_path / "a.tns", text)
+    code = dynmo_main(["tensor", "convert", str(tmp_path / "a.tns"), str(tmp_path / "a.parquet")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    if "appears twice" in message:  # converting copies; the features find the repeat, by row
+        assert code == 0
+        assert dynmo_main(["tensor", "features", str(tmp_path / "a.parquet")]) == 2
+        err = capsys.readouterr().err
+        assert "appears twice" in err and ": row " in err
+        return
+    assert code == 2 and len(lines) == 1 and message in lines[0], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.tns"]  # no output, no temporary file
+
+
+def test_a_file_that_is_not_a_dynmo_parquet_is_one_line(tmp_path, capsys):
+    write(tmp_path / "x.parquet", "not parquet\n")
+    assert dynmo_main(["tensor", "features", str(tmp_path / "x.parquet")]) == 2
+    assert "not a Parquet file" in capsys.readouterr().err
+    import duckdb
+
+    duckdb.sql(f"COPY (SELECT 1 AS a, 2 AS b) TO '{tmp_path / 'y.parquet'}' (FORMAT parquet)")
+    assert dynmo_main(["tensor", "features", str(tmp_path / "y.parquet"), "--memory-gb", "0.5"]) == 2
+    assert "expected index columns i0, i1" in capsys.readouterr().err

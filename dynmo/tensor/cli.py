@@ -5,6 +5,7 @@
     dynmo tensor generate --sizes I,J,K[,...] --density D [--slice-density S] [--fiber-density F]
                           [--cv-fibers-per-slice C] [--cv-nnz-per-fiber V] [--seed R]
                           [--values uniform|normal|ones] --out FILE.tns [--overwrite]
+    dynmo tensor convert FILE.tns OUT.parquet [--sizes I,J,K] [--memory-gb G] [--tmp DIR] [--overwrite]
     dynmo tensor cp FILE.tns --rank R [--iters N] [--seed S] [--json OUT] [--overwrite]
     dynmo tensor ngram --order N --out FILE.tns [--paths TEXT ...] [--overwrite]
 
@@ -45,6 +46,8 @@ EXAMPLES = {
                  "dynmo tensor generate --sizes 200,300,400 --density 5e-4 --fiber-density 0.02 "
                  "--cv-nnz-per-fiber 1 --seed 7 --out skewed.tns",
                  "dynmo tensor generate --like plays3.tns --scale 2 --out sibling.tns"],
+    "convert": ["dynmo tensor convert plays3.tns plays3.parquet",
+                "dynmo tensor convert big.tns big.parquet --memory-gb 1 --tmp /tmp --overwrite"],
     "cp": ["dynmo tensor cp plays3.tns --rank 10 --iters 10",
            "dynmo tensor cp synthetic.tns --rank 4 --iters 20 --json cp.json --overwrite"],
     "ngram": ["dynmo tensor ngram --order 3 --out plays3.tns",
@@ -70,7 +73,8 @@ def _parser() -> ArgumentParser:
     f = sub.add_parser("features", prog=f"{PROG} features", help="the features of a .tns file (FeaTensor's set)",
                        description=_wrap("Print a sparse tensor's features: how its nonzeros spread over the slices "
                                          "and fibers of every mode."), **_help("features"))
-    f.add_argument("file", help="a FROSTT .tns file (1-based indices, the value last; gzip too)")
+    f.add_argument("file", help="a FROSTT .tns file (1-based indices, the value last; gzip too), or a .parquet "
+                                "of `dynmo tensor convert`")
     f.add_argument("--sizes", help="the mode sizes, comma-separated (default: the header's, or the largest "
                                    "index of each mode)")
     h = f.add_mutually_exclusive_group()
@@ -113,6 +117,18 @@ def _parser() -> ArgumentParser:
     g.add_argument("--out", required=True, help="the .tns file to write (.gz for gzip)")
     g.add_argument("--header", action="store_true", help="write an order line and a sizes line first")
     g.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    v = sub.add_parser("convert", prog=f"{PROG} convert", help="a .tns file as Parquet (binary COO, read faster)",
+                       description=_wrap("Write a .tns tensor as Parquet: columns i0, i1, ... (1-based) and v, the "
+                                         "sizes as metadata; `features` reads it as it reads the text, many times "
+                                         "faster. Done in blocks, within --memory-gb."), **_help("convert"))
+    v.add_argument("file", help="a FROSTT .tns file (1-based indices, the value last; gzip too)")
+    v.add_argument("out", help="the .parquet file to write")
+    v.add_argument("--sizes", help="the mode sizes, comma-separated (default: the header's, or the largest index)")
+    v.add_argument("--header", dest="header", action="store_const", const=True, default=None,
+                   help="the file starts with an order line and a sizes line (detected when left out)")
+    v.add_argument("--memory-gb", type=float, default=1.0, metavar="G", help="memory to stay within (default 1)")
+    v.add_argument("--tmp", metavar="DIR", help="where the temporary files go (default: OUT's folder)")
+    v.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     c = sub.add_parser("cp", prog=f"{PROG} cp", help="CP-ALS of a .tns file: fit and time per iteration",
                        description=_wrap("Decompose a sparse tensor into R rank-one terms by alternating least "
                                          "squares (MTTKRP over the nonzeros); print the fit and the time of each "
@@ -215,11 +231,20 @@ def _features(args) -> int:
 
             feats = features_within(args.file, args.memory_gb, tmp, sizes=sizes, header=args.header,
                                     progress=prog.say)
+        elif args.file.endswith(".parquet"):
+            from dynmo.tensor.parquet import read_parquet
+
+            t = read_parquet(args.file, sizes_=sizes, values=False)
+            prog.say(f"read {t.nnz} nonzeros, order {t.order}, sizes {'x'.join(map(str, t.sizes))}")
+            feats = features(t, progress=prog.say)
         else:
             t = read_tns(args.file, sizes=sizes, header=args.header, values=False)
             prog.say(f"read {t.nnz} nonzeros, order {t.order}, sizes {'x'.join(map(str, t.sizes))}")
             feats = features(t, progress=prog.say)
     except DuplicateError as e:
+        if args.file.endswith(".parquet"):
+            a, b = (r + 1 for r in e.entries)
+            raise InputError(f"{args.file}: row {b}: {e} (first at row {a}); a coordinate may appear once") from None
         a, b = line_numbers(args.file, list(e.entries), header=args.header)
         raise InputError(f"{args.file}:{b}: {e} (first at line {a}); a coordinate may appear once") from None
     except (TensorFileError, TensorError) as e:
@@ -234,6 +259,30 @@ def _features(args) -> int:
         report.plot(feats, args.plot)
     if not args.quiet:
         sys.stdout.write(report.table(feats))
+    return 0
+
+
+def _convert(args) -> int:
+    from dynmo.tensor.coo import TensorError
+    from dynmo.tensor.outofcore import convert_to_parquet
+    from dynmo.tensor.tns import TensorFileError
+
+    sizes = _sizes(args.sizes)
+    _check_out(args.out, args.overwrite, "OUT")
+    if not args.out.endswith(".parquet"):
+        raise InputError(f"OUT {args.out}: give a name ending in .parquet")
+    if not args.memory_gb > 0:
+        raise InputError(f"--memory-gb {args.memory_gb}: give a positive number of GB, e.g. --memory-gb 1")
+    tmp = Path(args.tmp) if args.tmp else Path(args.out).resolve().parent
+    if not tmp.is_dir() or not os.access(tmp, os.W_OK):
+        raise InputError(f"--tmp {tmp}: not a folder this process can write to")
+    t0 = time.perf_counter()
+    try:
+        nnz, dims = convert_to_parquet(args.file, args.out, args.memory_gb, str(tmp), sizes_=sizes, header=args.header)
+    except (TensorFileError, TensorError) as e:
+        raise InputError(str(e)) from None
+    print(f"{args.out}: order {len(dims)}, sizes {'x'.join(map(str, dims))}, nnz {nnz} "
+          f"(converted in {time.perf_counter() - t0:.1f} s, {os.path.getsize(args.out) / 2**20:.1f} MB)")
     return 0
 
 
@@ -346,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.print_help()
         return 0
     try:
-        return {"features": _features, "generate": _generate, "cp": _cp, "ngram": _ngram}[args.cmd](args)
+        return {"features": _features, "generate": _generate, "convert": _convert, "cp": _cp, "ngram": _ngram}[args.cmd](args)
     except InputError as e:
         return fail(PROG, e)
     except OSError as e:

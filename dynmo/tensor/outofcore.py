@@ -2,6 +2,7 @@
 peak memory within a budget, by DuckDB's out-of-core aggregation.
 
     features_within(path, memory_gb, tmp_dir, sizes=None, header=None, progress=None)
+    convert_to_parquet(src, out, memory_gb, tmp_dir, ...)     (`dynmo tensor convert`)
 
 How. The file is read in blocks of a few tens of MB (numpy's reader on each block, the same
 checks as `tns.read_tns`: whole indices >= 1, finite values, within the sizes) and appended to a
@@ -25,33 +26,19 @@ alternative) was not built. Measured in docs/bench/tensor-out-of-core.md.
 from __future__ import annotations
 
 import io
-import shutil
-import tempfile
+import os
 import warnings
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
+from dynmo.tensor import duck, parquet
 from dynmo.tensor.coo import TensorError
 from dynmo.tensor.features import Distribution, DuplicateError, Moments, TensorFeatures, assemble
 from dynmo.tensor.tns import MAX_SIZE, TensorFileError, _first_bad_line, _open, _read_header, line_numbers
 
 BLOCK_BYTES = 1 << 25  # text read per block: 32 MiB, about 1.5M lines of a 4-mode tensor
-# of the budget, what DuckDB may hold; the rest is this process's blocks (text and arrays)
-DUCKDB_SHARE = 0.6
-
-
-class OutOfCoreError(TensorError):
-    """A tensor the out-of-core path cannot take (no duckdb, no room for temporary files)."""
-
-
-def _duckdb():
-    try:
-        import duckdb
-    except ImportError:
-        raise OutOfCoreError("--memory-gb needs DuckDB (pip install duckdb, or pip install 'dynmo[tensor]')") from None
-    return duckdb
 
 
 def _blocks(path: Path, skip: int):
@@ -78,11 +65,12 @@ def _blocks(path: Path, skip: int):
             yield data[:cut].decode("latin-1")
 
 
-def _load(con, path: Path, ncols: int, skip: int, say) -> tuple[int, list[int]]:
-    """Append the file's nonzeros to table t (r, i0, ..., i{N-1}); (nnz, largest index per mode)."""
+def _load(con, path: Path, ncols: int, skip: int, say, values: bool = False) -> tuple[int, list[int]]:
+    """Append the file's nonzeros to table t (r, i0, ..., i{N-1}[, v]), 0-based indices in file
+    order; (nnz, largest 1-based index per mode)."""
     order = ncols - 1
     cols = ", ".join(f"i{m} INTEGER" for m in range(order))
-    con.execute(f"CREATE TABLE t (r BIGINT, {cols})")
+    con.execute(f"CREATE TABLE t (r BIGINT, {cols}{', v DOUBLE' if values else ''})")
     row = np.dtype([("i", np.int64, (order,)), ("v", np.float64)])
     nnz, top = 0, [0] * order
     for text in _blocks(path, skip):
@@ -95,11 +83,15 @@ def _load(con, path: Path, ncols: int, skip: int, say) -> tuple[int, list[int]]:
         if arr.size == 0:
             continue
         idx = arr["i"]
-        if idx.min() < 1 or not np.isfinite(arr["v"]).all() or idx.max() > MAX_SIZE:
+        if idx.min() < 1 or not np.isfinite(arr["v"]).all():
             raise _first_bad_line(path, skip, ncols)
+        if idx.max() > MAX_SIZE:
+            raise TensorFileError(f"{path}: a mode size over {MAX_SIZE} is not supported")
         block = {"r": np.arange(nnz, nnz + idx.shape[0], dtype=np.int64)}
         for m in range(order):
             block[f"i{m}"] = (idx[:, m] - 1).astype(np.int32)
+        if values:
+            block["v"] = arr["v"]
         top = [max(a, int(b)) for a, b in zip(top, idx.max(axis=0))]
         con.register("block", block)
         con.execute("INSERT INTO t SELECT * FROM block")
@@ -117,13 +109,10 @@ def _moments(con, groups: str) -> Moments:
     return Moments(int(n), int(total), int(mx), int(mn), int(sumsq))
 
 
-def features_within(path, memory_gb: float, tmp_dir, *, sizes=None, header: bool | None = None,
-                    progress: Callable[[str], None] | None = None) -> TensorFeatures:
-    """`features.features(read_tns(path, ...))` with DuckDB holding at most DUCKDB_SHARE of
-    `memory_gb` and its spills in a temporary folder under `tmp_dir` (removed at the end,
-    whatever happens)."""
-    duckdb = _duckdb()
-    p, name, say = Path(path), str(path), progress or (lambda msg: None)
+def tns_layout(p: Path, header: bool | None) -> tuple[int, int, tuple[int, ...] | None]:
+    """(columns a line holds, lines before the first nonzero, the header's sizes or None) of a
+    .tns file, with the in-memory reader's errors for one that holds no tensor of order >= 2."""
+    name = str(p)
     if not p.exists():
         raise TensorFileError(f"{name}: no such file")
     if p.is_dir():
@@ -142,32 +131,26 @@ def features_within(path, memory_gb: float, tmp_dir, *, sizes=None, header: bool
         raise _first_bad_line(p, skip, ncols)
     if ncols == 2:
         raise TensorError("a tensor of order 1 has no slices; features need at least 2 modes")
-    try:
-        work = Path(tempfile.mkdtemp(prefix="dynmo-features-", dir=tmp_dir))
-    except OSError as e:
-        raise OutOfCoreError(f"cannot make a temporary folder in {tmp_dir} ({e.strerror})") from None
-    try:
-        con = duckdb.connect(str(work / "tensor.duckdb"))
-        try:
-            con.execute(f"SET memory_limit = '{max(64, int(memory_gb * DUCKDB_SHARE * 1024))}MB'")
-            con.execute(f"SET temp_directory = '{work / 'spill'}'")
-            con.execute("SET preserve_insertion_order = false")
-            con.execute("SET enable_progress_bar = false")
-            nnz, top = _load(con, p, ncols, skip, say)
-            if nnz == 0:
-                raise TensorFileError(f"{name}: no nonzeros (the file is empty, or holds only comments"
-                                      f"{' and its header' if head_sizes else ''})")
-            dims = _sizes(p, con, sizes, head_sizes, top, header)
-            return _features(con, name, dims, nnz, say)
-        finally:
-            con.close()
-    except duckdb.OutOfMemoryException as e:
-        raise OutOfCoreError(f"--memory-gb {memory_gb}: DuckDB ran out of memory ({str(e).splitlines()[0]}); "
-                             "give more") from None
-    except duckdb.IOException as e:
-        raise OutOfCoreError(f"temporary files in {work}: {str(e).splitlines()[0]}") from None
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    return ncols, skip, head_sizes
+
+
+def features_within(path, memory_gb: float, tmp_dir, *, sizes=None, header: bool | None = None,
+                    progress: Callable[[str], None] | None = None) -> TensorFeatures:
+    """`features.features` of a .tns file (or a .parquet of `dynmo tensor convert`) with DuckDB
+    holding at most DUCKDB_SHARE of `memory_gb` and its spills in a temporary folder under
+    `tmp_dir` (removed at the end, whatever happens)."""
+    p, say = Path(path), progress or (lambda msg: None)
+    if p.suffix == ".parquet":
+        with duck.within(memory_gb, tmp_dir, "features") as con:
+            nnz, top, head_sizes = parquet.view(con, p)
+            return _features(con, str(path), parquet.sizes(p, con, sizes, head_sizes, top), nnz, say)
+    ncols, skip, head_sizes = tns_layout(p, header)
+    with duck.within(memory_gb, tmp_dir, "features") as con:
+        nnz, top = _load(con, p, ncols, skip, say)
+        if nnz == 0:
+            raise TensorFileError(f"{path}: no nonzeros (the file is empty, or holds only comments"
+                                  f"{' and its header' if head_sizes else ''})")
+        return _features(con, str(path), _sizes(p, con, sizes, head_sizes, top, header), nnz, say)
 
 
 def _sizes(p: Path, con, sizes, head_sizes, top: list[int], header) -> tuple[int, ...]:
@@ -180,6 +163,8 @@ def _sizes(p: Path, con, sizes, head_sizes, top: list[int], header) -> tuple[int
         dims, what = tuple(head_sizes), "its sizes line"
     else:
         dims, what = tuple(top), ""
+    if any(s > MAX_SIZE for s in dims):
+        raise TensorFileError(f"{p}: a mode size over {MAX_SIZE} is not supported")
     for m, (s, h) in enumerate(zip(dims, top)):
         if h > s:
             row = con.execute(f"SELECT min(r) FROM t WHERE i{m} >= {s}").fetchone()[0]
@@ -228,3 +213,24 @@ def math_prod(xs) -> int:
     for x in xs:
         out *= int(x)
     return out
+
+
+def convert_to_parquet(src, out, memory_gb: float, tmp_dir, *, sizes_=None, header: bool | None = None, say=None) -> tuple[int, tuple[int, ...]]:
+    """Write the .tns file `src` as Parquet `out` (a temporary name renamed into place when
+    whole); (nnz, sizes)."""
+    p, say = Path(src), say or (lambda msg: None)
+    ncols, skip, head_sizes = tns_layout(p, header)
+    part = Path(out).with_name(f".{Path(out).name}.part")
+    try:
+        with duck.within(memory_gb, tmp_dir, "convert") as con:
+            nnz, top = _load(con, p, ncols, skip, say, values=True)
+            if nnz == 0:
+                raise TensorFileError(f"{src}: no nonzeros")
+            dims = _sizes(p, con, sizes_, head_sizes, top, header)
+            cols = ", ".join(f"i{m} + 1 AS i{m}" for m in range(ncols - 1))
+            con.execute(f"COPY (SELECT {cols}, v FROM t ORDER BY r) TO '{part}' "
+                        f"(FORMAT parquet, KV_METADATA {{{parquet.SIZES_KEY}: '{','.join(map(str, dims))}'}})")
+        os.replace(part, out)
+    finally:
+        part.unlink(missing_ok=True)
+    return nnz, dims
