@@ -6,6 +6,7 @@
                           [--cv-fibers-per-slice C] [--cv-nnz-per-fiber V] [--seed R]
                           [--values uniform|normal|ones] --out FILE.tns [--overwrite]
     dynmo tensor convert FILE.tns OUT.parquet [--sizes I,J,K] [--memory-gb G] [--tmp DIR] [--overwrite]
+    dynmo tensor dataset --grid GRID.toml --out DIR [--like REAL.tns ...] [--overwrite]
     dynmo tensor cp FILE.tns --rank R [--iters N] [--seed S] [--json OUT] [--overwrite]
     dynmo tensor ngram --order N --out FILE.tns [--paths TEXT ...] [--overwrite]
 
@@ -48,6 +49,8 @@ EXAMPLES = {
                  "dynmo tensor generate --like plays3.tns --scale 2 --out sibling.tns"],
     "convert": ["dynmo tensor convert plays3.tns plays3.parquet",
                 "dynmo tensor convert big.tns big.parquet --memory-gb 1 --tmp /tmp --overwrite"],
+    "dataset": ["dynmo tensor dataset --grid configs/tensor-grid.toml --out runs/tensor-grid",
+                "dynmo tensor dataset --grid configs/tensor-grid.toml --out runs/grid-like --like plays3.tns"],
     "cp": ["dynmo tensor cp plays3.tns --rank 10 --iters 10",
            "dynmo tensor cp synthetic.tns --rank 4 --iters 20 --json cp.json --overwrite"],
     "ngram": ["dynmo tensor ngram --order 3 --out plays3.tns",
@@ -129,6 +132,17 @@ def _parser() -> ArgumentParser:
     v.add_argument("--memory-gb", type=float, default=1.0, metavar="G", help="memory to stay within (default 1)")
     v.add_argument("--tmp", metavar="DIR", help="where the temporary files go (default: OUT's folder)")
     v.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    d = sub.add_parser("dataset", prog=f"{PROG} dataset", help="generated tensors over a grid of features, indexed",
+                       description=_wrap("Generate a tensor for every point of a grid of sizes, densities and cvs "
+                                         "(and siblings of real tensors), each with its requested and measured "
+                                         "features in DIR/index.csv and DIR/index.parquet. A killed run started "
+                                         "again finishes what is missing."), **_help("dataset"))
+    d.add_argument("--grid", required=True, help="the grid, a TOML file (configs/tensor-grid.toml)")
+    d.add_argument("--out", required=True, help="the folder of the dataset")
+    d.add_argument("--like", nargs="+", default=[], metavar="REAL.tns",
+                   help="also a sibling of each real tensor at each [like] scale")
+    d.add_argument("--overwrite", action="store_true", help="start a dataset of another grid in --out again")
+    d.add_argument("--quiet", action="store_true", help="no progress on stderr")
     c = sub.add_parser("cp", prog=f"{PROG} cp", help="CP-ALS of a .tns file: fit and time per iteration",
                        description=_wrap("Decompose a sparse tensor into R rank-one terms by alternating least "
                                          "squares (MTTKRP over the nonzeros); print the fit and the time of each "
@@ -286,6 +300,39 @@ def _convert(args) -> int:
     return 0
 
 
+def _dataset(args) -> int:
+    from dynmo.tensor.coo import TensorError
+    from dynmo.tensor.dataset import DatasetError, jobs, load_grid, make
+    from dynmo.tensor.generate import GenerateError
+    from dynmo.tensor.tns import TensorFileError
+
+    grid = Path(args.grid)
+    if not grid.is_file():
+        raise InputError(f"--grid {args.grid}: no such file")
+    out = Path(args.out)
+    for like in args.like:
+        if not Path(like).is_file():
+            raise InputError(f"--like {like}: no such file")
+    try:
+        text = grid.read_text()
+        jobs(load_grid(text, args.grid), args.like)  # every point planned before anything is written
+        if out.exists() and not out.is_dir():
+            raise InputError(f"--out {args.out}: is a file; give a folder")
+        if out.is_dir() and any(out.iterdir()) and not (out / "grid.toml").exists():
+            raise InputError(f"--out {args.out}: a folder with other files and no dataset; give an empty or new one")
+        if args.overwrite and (out / "grid.toml").exists():
+            for f in [*out.glob("t[0-9]*.tns"), *out.glob("index.*"), out / "grid.toml"]:
+                f.unlink(missing_ok=True)
+        t0 = time.perf_counter()
+        made, total = make(text, args.grid, out, args.like,
+                           None if args.quiet else lambda msg: print(msg, file=sys.stderr, flush=True))
+    except (DatasetError, GenerateError, TensorFileError, TensorError) as e:
+        raise InputError(str(e)) from None
+    print(f"{out}: {total} tensors ({made} made now, {total - made} there already), index.csv and index.parquet "
+          f"({time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
 def _ngram(args) -> int:
     from dynmo.corpus import DataError, corpus_files
     from dynmo.tensor.ngram import ngram_tensor
@@ -395,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.print_help()
         return 0
     try:
-        return {"features": _features, "generate": _generate, "convert": _convert, "cp": _cp, "ngram": _ngram}[args.cmd](args)
+        return {"features": _features, "generate": _generate, "convert": _convert, "dataset": _dataset, "cp": _cp, "ngram": _ngram}[args.cmd](args)
     except InputError as e:
         return fail(PROG, e)
     except OSError as e:
