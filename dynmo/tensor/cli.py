@@ -4,7 +4,7 @@
                           [--json OUT] [--csv OUT] [--plot OUT.png] [--overwrite] [--quiet]
     dynmo tensor generate --sizes I,J,K[,...] --density D [--slice-density S] [--fiber-density F]
                           [--cv-fibers-per-slice C] [--cv-nnz-per-fiber V] [--seed R]
-                          [--values uniform|normal|ones] --out FILE.tns [--overwrite]
+                          [--values uniform|normal|ones] [--memory-gb G] --out FILE.tns [--overwrite]
     dynmo tensor convert FILE.tns OUT.parquet [--sizes I,J,K] [--memory-gb G] [--tmp DIR] [--overwrite]
     dynmo tensor dataset --grid GRID.toml --out DIR [--like REAL.tns ...] [--overwrite]
     dynmo tensor cp FILE.tns --rank R [--iters N] [--seed S] [--json OUT] [--overwrite]
@@ -119,6 +119,9 @@ def _parser() -> ArgumentParser:
     g.add_argument("--values", default="uniform", help="uniform in (0, 1] (default), normal, or ones")
     g.add_argument("--out", required=True, help="the .tns file to write (.gz for gzip)")
     g.add_argument("--header", action="store_true", help="write an order line and a sizes line first")
+    g.add_argument("--memory-gb", type=float, metavar="G",
+                   help="write a tensor larger than memory block by block within about G GB: the same targets "
+                        "met, another tensor than the same seed gives in memory (default: all in memory)")
     g.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     v = sub.add_parser("convert", prog=f"{PROG} convert", help="a .tns file as Parquet (binary COO, read faster)",
                        description=_wrap("Write a .tns tensor as Parquet: columns i0, i1, ... (1-based) and v, the "
@@ -365,6 +368,20 @@ def _generate(args) -> int:
     req = Request(sizes, args.density, args.slice_density, args.fiber_density, args.cv_fibers_per_slice,
                   args.cv_nnz_per_fiber, args.seed, args.values)
     t0 = time.perf_counter()
+    if args.memory_gb is not None:
+        from dynmo.tensor.stream import generate_to
+
+        if not args.memory_gb > 0:
+            raise InputError(f"--memory-gb {args.memory_gb}: give a positive number of GB, e.g. --memory-gb 1")
+        quiet = lambda msg: None  # noqa: E731
+        try:
+            p = generate_to(req, args.out, args.memory_gb, header=args.header, say=quiet)
+        except GenerateError as e:
+            raise InputError(str(e)) from None
+        print(f"{args.out}: order {len(sizes)}, sizes {'x'.join(map(str, sizes))}, nnz {p.nnz}, {p.slices} nonempty "
+              f"slices, {p.fibers} nonempty fibers (generated and written in blocks in "
+              f"{time.perf_counter() - t0:.1f} s)")
+        return 0
     try:
         p = plan(req)
         t = generate(req)
