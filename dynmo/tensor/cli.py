@@ -1,6 +1,6 @@
 """`dynmo tensor`: tools for sparse tensors (numpy only, DuckDB for --memory-gb; no torch is imported).
 
-    dynmo tensor features FILE.tns [--sizes I,J,K] [--header | --no-header] [--memory-gb G [--tmp DIR]]
+    dynmo tensor features FILE.tns [--sizes I,J,K] [--header | --no-header] [--memory-gb G [--tmp DIR] | --dask ADDR]
                           [--json OUT] [--csv OUT] [--plot OUT.png] [--overwrite] [--quiet]
     dynmo tensor generate --sizes I,J,K[,...] --density D [--slice-density S] [--fiber-density F]
                           [--cv-fibers-per-slice C] [--cv-nnz-per-fiber V] [--seed R]
@@ -42,7 +42,8 @@ EXAMPLES = {
          "dynmo tensor generate --like plays3.tns --scale 2 --out sibling.tns"],
     "features": ["dynmo tensor features plays3.tns",
                  "dynmo tensor features plays3.tns --json plays3.json --csv plays3.csv --plot plays3.png --overwrite",
-                 "dynmo tensor features big.tns --memory-gb 0.5 --json big.json"],
+                 "dynmo tensor features big.tns --memory-gb 0.5 --json big.json",
+                 "dynmo tensor features shards/ --dask local:4 --json big.json"],
     "generate": ["dynmo tensor generate --sizes 200,300,400 --density 5e-4 --out synthetic.tns",
                  "dynmo tensor generate --sizes 200,300,400 --density 5e-4 --fiber-density 0.02 "
                  "--cv-nnz-per-fiber 1 --seed 7 --out skewed.tns",
@@ -91,6 +92,9 @@ def _parser() -> ArgumentParser:
     f.add_argument("--memory-gb", type=float, metavar="G",
                    help="stay within about G GB (plus the interpreter) for a tensor larger than memory: the "
                         "same features, counted by DuckDB out of core (default: all in memory)")
+    f.add_argument("--dask", metavar="ADDRESS",
+                   help="compute on Dask distributed: a scheduler's address, or local:N for N worker processes "
+                        "here; FILE may be a folder of .tns shards every worker can see")
     f.add_argument("--tmp", metavar="DIR", help="with --memory-gb: where the temporary files go (default: the "
                                                 "folder of --json or --csv, else the current one); removed after")
     f.add_argument("--overwrite", action="store_true", help="replace output files that exist")
@@ -214,6 +218,10 @@ class _Progress:
 
 def _tmp_dir(args) -> str | None:
     """Where --memory-gb's temporary files go (checked before any work), None without it."""
+    if args.dask and (args.memory_gb is not None or args.plot):
+        raise InputError("--dask computes on the cluster's workers: leave out --memory-gb and --plot")
+    if args.dask and not os.path.exists(args.file):
+        raise InputError(f"{args.file}: no such file or folder")
     if args.memory_gb is None:
         if args.tmp:
             raise InputError("--tmp is for --memory-gb's temporary files; give --memory-gb too")
@@ -243,7 +251,11 @@ def _features(args) -> int:
     prog = _Progress(args.quiet or total <= PROGRESS_BYTES)
     prog.say(f"reading {args.file} ({total / 2**20:.0f} MB)")
     try:
-        if args.memory_gb is not None:
+        if args.dask:
+            from dynmo.tensor.cluster import features_on_dask
+
+            feats = features_on_dask(args.file, args.dask, sizes=sizes, header=args.header, progress=prog.say)
+        elif args.memory_gb is not None:
             from dynmo.tensor.outofcore import features_within
 
             feats = features_within(args.file, args.memory_gb, tmp, sizes=sizes, header=args.header,
@@ -259,6 +271,8 @@ def _features(args) -> int:
             prog.say(f"read {t.nnz} nonzeros, order {t.order}, sizes {'x'.join(map(str, t.sizes))}")
             feats = features(t, progress=prog.say)
     except DuplicateError as e:
+        if e.entries is None:  # counted on a cluster: where it is, is not known
+            raise InputError(f"{args.file}: {e}; a coordinate may appear once") from None
         if args.file.endswith(".parquet"):
             a, b = (r + 1 for r in e.entries)
             raise InputError(f"{args.file}: row {b}: {e} (first at row {a}); a coordinate may appear once") from None

@@ -42,9 +42,10 @@ GENERAL = {"order": "order", "nnz": "nnz", "sparsity": "density", "sliceCnt": "s
 
 
 class DuplicateError(TensorError):
-    """A coordinate appears twice; `entries` are the two positions in coords."""
+    """A coordinate appears twice; `entries` are the two positions in coords (None where the
+    count that found it does not know them)."""
 
-    def __init__(self, msg: str, entries: tuple[int, int]):
+    def __init__(self, msg: str, entries: tuple[int, int] | None):
         super().__init__(msg)
         self.entries = entries
 
