@@ -168,3 +168,24 @@ def test_a_file_that_is_not_a_dynmo_parquet_is_one_line(tmp_path, capsys):
     duckdb.sql(f"COPY (SELECT 1 AS a, 2 AS b) TO '{tmp_path / 'y.parquet'}' (FORMAT parquet)")
     assert dynmo_main(["tensor", "features", str(tmp_path / "y.parquet"), "--memory-gb", "0.5"]) == 2
     assert "expected index columns i0, i1" in capsys.readouterr().err
+
+
+def test_no_room_for_temporary_files_is_one_line_and_leaves_nothing(tmp_path, capsys):
+    import subprocess
+
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(tiny)], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        from dynmo.tensor.generate import Request, generate
+
+        write_tns(generate(Request((100, 100, 100), 0.1, fiber_density=0.5)), tmp_path / "t.tns")  # 100k nonzeros
+        # 64 KB: less than a DuckDB database takes before its first block of data
+        assert dynmo_main(["tensor", "features", str(tmp_path / "t.tns"), "--memory-gb", "0.5", "--tmp", str(tiny),
+                           "--json", str(tmp_path / "f.json")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "No space left on device" in err[0] and err[0].startswith("dynmo tensor: error: "), err
+        assert list(tiny.iterdir()) == [] and not (tmp_path / "f.json").exists()
+    finally:
+        subprocess.run(["umount", "-l", str(tiny)])

@@ -50,7 +50,7 @@ def within(memory_gb: float, tmp_dir, what: str):
     except duckdb.OutOfMemoryException as e:
         raise OutOfCoreError(f"--memory-gb {memory_gb}: DuckDB ran out of memory ({str(e).splitlines()[0]}); "
                              "give more") from None
-    except duckdb.IOException as e:
+    except duckdb.Error as e:  # a full disk shows as an IO error, or as a failed commit of the log
         raise OutOfCoreError(f"temporary files in {work}: {str(e).splitlines()[0]}") from None
     finally:
         shutil.rmtree(work, ignore_errors=True)
