@@ -2,17 +2,23 @@
 attention), one block on one process and one thread, like one pipeline rank.
 
 Produces the tables in docs/bench/dynamic-blocks.md ("Counted work vs measured time, one block on
-one thread").
+one thread"; "MoE expert dispatch: grouped against padded and dense", from
+`--cases moe --d-model 512 --seq-len 512 --batch 4`).
 
     python benchmarks/bench_dynamic_blocks.py [--repeats 7] [--d-model 256] [--seq-len 128] [--batch 4]
+        [--cases moe,mod,hashattn] [--clock cpu|wall]
 
 Per case the routing / capacity / hashing is varied on purpose, and each row prints the block's
 own counted work (from `block.last_stats`) next to its measured forward + backward time
-(median of --repeats). The last line of each case fits time = a + b * work and gives the
+(median of --repeats; CPU seconds of this process by default, so that other jobs on a shared
+machine do not count). The last line of each case fits time = a + b * work and gives the
 correlation, so "the layer's time follows its counted work" is a measured claim:
 
-  moe       expert_rows (experts padded to the busiest expert) vs block time, the router pushed
-            from balanced towards one expert;
+  moe       the router pushed from balanced towards one expert (skew 0..8): per skew the grouped
+            dispatch (the default: rows sorted by expert, grouped matmuls) against a dense block
+            whose MLP has the same active FLOPs (mlp_ratio x top_k) and the ratio, which should
+            stay flat; the padded dispatch (every expert padded to the busiest) beside it, whose
+            expert_rows and time grow with the skew (the fit is on its rows);
   mod       rows (batch x chosen tokens) vs block time, per capacity; the dense block for scale;
   hashattn  computed tiles / causal tiles vs attention time, per number of LSH buckets; dense
             causal attention (SDPA) for scale.
@@ -30,6 +36,11 @@ from dynmo.config import HashAttnConfig, MoDConfig, MoEConfig, ModelConfig
 from dynmo.model.gpt import Block
 from dynmo.model.layers import LayerSpec, build_layer
 from dynmo.model.moe import MoEBlock
+from dynmo.model.stats import as_numbers
+
+
+CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
+clock = CLOCKS["cpu"]
 
 
 def fwd_bwd_s(fns: list, params: list[list], repeats: int) -> list[float]:
@@ -43,10 +54,10 @@ def fwd_bwd_s(fns: list, params: list[list], repeats: int) -> list[float]:
         for k, (fn, ps) in enumerate(zip(fns, params)):
             for p in ps:
                 p.grad = None
-            t = time.perf_counter()
+            t = clock()
             fn().float().square().mean().backward()
             if r:
-                times[k].append(time.perf_counter() - t)
+                times[k].append(clock() - t)
     return [statistics.median(ts) for ts in times]
 
 
@@ -66,28 +77,49 @@ def model_cfg(args, **kw) -> ModelConfig:
 
 
 def bench_moe(args) -> None:
-    cfg = model_cfg(args, block="moe", moe=MoEConfig(num_experts=8, top_k=2))
+    E, k = 8, 2
+    cfg = model_cfg(args, block="moe", moe=MoEConfig(num_experts=E, top_k=k))  # one MoEConfig, shared
     B, T, D = args.batch, args.seq_len, args.d_model
     x = torch.randn(B, T, D, generator=torch.Generator().manual_seed(0))
     mask = torch.ones(B, T, dtype=torch.bool)
     skews = [0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0]
-    blocks, stats = [], []
+    dense = build_layer(LayerSpec("t", 1), model_cfg(args, mlp_ratio=4 * k), seed=0)  # the same active FLOPs
+    blocks: list[MoEBlock] = []
+    stats: dict[str, list[dict]] = {"grouped": [], "padded": []}
     for skew in skews:
         block: MoEBlock = build_layer(LayerSpec("t", 1), cfg, seed=0)
         with torch.no_grad():  # push expert 0's router row along the tokens' shared direction
             h = block.ln2(x + block.attn(block.ln1(x))).reshape(-1, D).mean(0)
             block.moe.router.weight[0] += skew * h / h.norm()
-        block(x, mask)
+        for dispatch in stats:
+            cfg.moe.dispatch = dispatch
+            block.reset_stats()
+            block(x, mask)
+            stats[dispatch].append(as_numbers([block.last_stats])[0])
         blocks.append(block)
-        stats.append(dict(block.last_stats))
-    secs = fwd_bwd_s([lambda b=b: b(x, mask)[0] for b in blocks], [list(b.parameters()) for b in blocks], args.repeats)
-    print(f"\nMoE: 8 experts, top-2, dropless, d_model {D}, {B}x{T} tokens per microbatch "
-          f"(balanced load {B * T * 2 // 8} per expert)")
-    print(f"{'router skew':>12} {'imbalance':>10} {'max load':>9} {'expert_rows':>12} {'useful_rows':>12} {'fwd+bwd ms':>11}")
-    for skew, s, t in zip(skews, stats, secs):
-        print(f"{skew:>12.2f} {s['routing_imbalance']:>10.2f} {max(s['tokens_per_expert']):>9} "
-              f"{s['expert_rows']:>12} {s['useful_rows']:>12} {1e3 * t:>11.2f}")
-    print(f"  {fit([s['expert_rows'] for s in stats], secs)}  (work = expert_rows)")
+
+    def run(b: MoEBlock, dispatch: str):
+        def fn():
+            cfg.moe.dispatch = dispatch
+            return b(x, mask)[0]
+        return fn
+
+    fns = [lambda: dense(x, mask)[0]] + [run(b, d) for b in blocks for d in stats]
+    params = [list(dense.parameters())] + [list(b.parameters()) for b in blocks for _ in stats]
+    secs = fwd_bwd_s(fns, params, args.repeats)
+    t_dense, grouped, padded = secs[0], secs[1::2], secs[2::2]
+    print(f"\nMoE: {E} experts, top-{k}, dropless, d_model {D}, {B}x{T} tokens per microbatch "
+          f"(balanced load {B * T * k // E} per expert); dense block with mlp_ratio {4 * k} "
+          f"(the same active FLOPs) {1e3 * t_dense:.2f} ms")
+    print(f"{'router skew':>12} {'imbalance':>10} {'max load':>9} {'useful_rows':>12} {'grouped rows':>13} "
+          f"{'grouped ms':>11} {'vs dense':>9} {'padded rows':>12} {'padded ms':>10}")
+    for skew, sg, sp, tg, tp in zip(skews, stats["grouped"], stats["padded"], grouped, padded):
+        print(f"{skew:>12.2f} {sg['routing_imbalance']:>10.2f} {max(sg['tokens_per_expert']):>9} "
+              f"{sg['useful_rows']:>12} {sg['expert_rows']:>13} {1e3 * tg:>11.2f} {tg / t_dense:>9.2f} "
+              f"{sp['expert_rows']:>12} {1e3 * tp:>10.2f}")
+    print(f"  grouped: slowest / fastest {max(grouped) / min(grouped):.2f}, worst vs dense "
+          f"{max(grouped) / t_dense:.2f}")
+    print(f"  padded {fit([s['expert_rows'] for s in stats['padded']], padded)}  (work = expert_rows)")
 
 
 def bench_mod(args) -> None:
@@ -142,9 +174,14 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=32, help="hash attention tile size")
     ap.add_argument("--batch", type=int, default=4, help="sequences per microbatch")
     ap.add_argument("--cases", default="moe,mod,hashattn")
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
+                    help="cpu: this process's CPU seconds (default; other jobs do not count), wall: elapsed")
     args = ap.parse_args()
+    global clock
+    clock = CLOCKS[args.clock]
     torch.set_num_threads(1)  # one pipeline rank's share of this machine
-    print(f"torch {torch.__version__}, 1 thread; time = median of {args.repeats} forward+backward runs")
+    print(f"torch {torch.__version__}, 1 thread; time = median of {args.repeats} forward+backward runs "
+          f"({args.clock} seconds)")
     for case in args.cases.split(","):
         {"moe": bench_moe, "mod": bench_mod, "hashattn": bench_hashattn}[case.strip()](args)
 

@@ -8,7 +8,7 @@ Part of `dynmo.checks` (validation before any process starts); import-light: the
 from __future__ import annotations
 
 from dynmo.checks_values import require
-from dynmo.config import HASH_KERNELS, Config, ConfigError, ModelConfig
+from dynmo.config import HASH_KERNELS, MOE_DISPATCH, Config, ConfigError, ModelConfig
 from dynmo.model.families import check_block
 from dynmo.plan import num_layers
 
@@ -57,6 +57,8 @@ def check_block_options(m: ModelConfig) -> None:
         if o.capacity_factor < 0:
             raise ConfigError("model.moe.capacity_factor must be >= 0 (0 = dropless)")
         require("model.moe.aux_loss_coef", o.aux_loss_coef, ge=0, why="the weight of the load-balancing loss")
+        if o.dispatch not in MOE_DISPATCH:
+            raise ConfigError(f"model.moe.dispatch={o.dispatch!r} is not one of {', '.join(MOE_DISPATCH)}")
     if m.block == "hashattn":
         o = m.hashattn
         if o.n_buckets < 1 or o.chunk < 1 or m.seq_len % o.chunk:

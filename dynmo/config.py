@@ -28,8 +28,10 @@ class MoEConfig:
     capacity_factor: float = 0.0  # 0 = dropless; else per-expert capacity ceil(cf * tokens * top_k / num_experts)
     aux_loss_coef: float = 0.01  # weight of the load-balancing loss
     norm_topk_prob: bool = True  # renormalise the top-k probabilities (Mixtral); false = Switch-style raw probs
+    dispatch: str = "grouped"  # grouped (rows sorted by expert, grouped matmuls) | padded (to the busiest expert)
 
 
+MOE_DISPATCH = ("grouped", "padded")  # model.moe.dispatch
 HASH_KERNELS = ("auto", "staircase", "flex", "tiles")  # model.hashattn.kernel
 
 

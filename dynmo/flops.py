@@ -12,7 +12,7 @@ each block's attention and MLP halves, the head), from the model config alone:
 - the head: the projection onto the vocabulary. The embedding's lookup does no multiply-add.
 
 What the dynamic cases change while training (pruned weights, frozen blocks' weight gradients,
-exited tokens, hash attention's skipped tiles, MoE padding to the busiest expert) is left out:
+exited tokens, hash attention's skipped tiles, MoE's dropped or padded rows) is left out:
 this is the model's nominal work, the best guess of each layer's cost before any is measured.
 `parallel.layout = "flops"` lays the pipeline out by it (`dynmo.plan.initial_layout`), and
 benchmarks/gpu_check.py counts a model's FLOPs (MFU) with it. Backward costs about twice the

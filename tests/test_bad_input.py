@@ -72,6 +72,8 @@ def test_the_launcher_process_rejects_bad_input(tmp_path, args, message):
         (["--model.block", "hashattn", "--model.hashattn.kernel", "staircase", "--parallel.backend", "nccl"], 2,
          "'staircase' runs on CPU only"),
         (["--model.block", "moe", "--model.moe.top_k", "9"], 2, "must be in 1..model.moe.num_experts"),
+        (["--model.block", "moe", "--model.moe.dispatch", "sorted"], 2,
+         "model.moe.dispatch='sorted' is not one of grouped, padded"),
         (["--balance.repack", "true"], 2, "needs a controller"),
         (["--balance.speeds", "1.0"], 2, "one positive speed per pipeline rank"),
         (["--balance.when", "dynamism"], 2, "none is enabled; use balance.when = auto"),

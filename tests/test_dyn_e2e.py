@@ -68,7 +68,7 @@ def test_moe_trains_like_the_reference_across_a_migration_with_routing_stats(tmp
     run_train(tmp_path, "--steps", str(STEPS), *MOE, "--parallel.relayout", "3:0,1,6", "--checkpoint.final", "true")
     recs = equals_reference(tmp_path, MOE)  # the balance loss's gradient included, bitwise
     assert recs[3]["events"][0]["layers_moved"] == 2 and recs[3]["layout"] == [0, 1, 6]
-    loads_by_step, rows_by_step = [], []
+    loads_by_step = []
     for r in recs:
         loads = per_block(r, "moe_tokens_per_expert")
         rows = per_block(r, "moe_expert_rows")
@@ -76,17 +76,12 @@ def test_moe_trains_like_the_reference_across_a_migration_with_routing_stats(tmp
         for L, R, U, imb, fw in zip(loads, rows, useful, per_block(r, "moe_routing_imbalance"), per_block(r, "moe_forwards")):
             assert len(L) == 4 and sum(L) == 2 * TOKENS  # top-2 over every token of the step
             assert fw == MICROBATCHES and U == 2 * TOKENS  # dropless
-            # the experts are padded to each microbatch's busiest expert: at least the step's
-            # busiest expert's load per expert, at most every assignment in every expert
-            assert 4 * max(L) <= R <= 4 * 2 * TOKENS
+            assert R == U  # grouped experts (the default) compute the kept rows, nothing more
             assert 1.0 <= imb <= 4.0
         loads_by_step.append([tuple(L) for L in loads])
-        rows_by_step.append(rows)
-    # routing changes step to step in every block, and with it the counted expert work
+    # routing changes step to step in every block
     for b in range(N_BLOCKS):
         assert len({s[b] for s in loads_by_step}) > 1
-    assert len({tuple(r) for r in rows_by_step}) > 1
-    assert len({r for s in rows_by_step for r in s}) > N_BLOCKS  # blocks differ, steps differ
 
 
 # ---- Mixture of Depths -----------------------------------------------------------------------

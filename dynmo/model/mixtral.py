@@ -7,11 +7,12 @@ SwiGLU MLP, `w2(silu(w1 x) * w3 x)`; the experts' weights are stacked per projec
 (`block_sparse_moe.experts.w1` is [experts, intermediate, d_model], expert j's row is
 Hugging Face's `experts.{j}.w1.weight`).
 
-As in the GPT MoE block, the experts run padded to the busiest expert (one batched matmul over
-an [experts, rows, d_model] buffer), so the layer's measured time follows the routing imbalance
-the way expert-parallel hardware does; padding rows are zeros whose outputs are discarded.
-With expert parallelism (`parallel.ep` > 1) each rank holds only its experts' rows of the
-stacked weights and runs them on exactly the rows routed to them (`dynmo.model.moe`).
+As in the GPT MoE block (`dynmo.model.moe`), the experts run dropless and grouped by default:
+the kept assignments sorted by expert, one grouped matmul per stacked weight (`w1`, `w3`, `w2`),
+no padding and no host synchronisation; `moe.dispatch = "padded"` pads every expert to the
+busiest one instead (one batched matmul over an [experts, rows, d_model] buffer). With expert
+parallelism (`parallel.ep` > 1) each rank holds only its experts' rows of the stacked weights
+and runs them, grouped, on exactly the rows routed to them.
 The load-balancing loss (`moe.aux_loss_coef`) is this block's own Switch/Mixtral loss, carried
 into the backward pass by `attach_aux_loss`. (transformers adds one loss over all layers'
 router logits pooled, and only with `output_router_logits`; a pipeline stage sees only its own
@@ -25,12 +26,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dynmo.config import ModelConfig
+from dynmo.model.grouped import grouped_mm
 from dynmo.model.llama import Attention, RMSNorm, intermediate_size
 from dynmo.model.moe import RoutedBlock, sparse_mlp
 
 
 class SwiGLUExperts(nn.Module):
-    """E SwiGLU MLPs applied to an [E, C, D] buffer with batched matmuls."""
+    """E SwiGLU MLPs: on an [E, C, D] buffer with batched matmuls (padded), or on rows sorted by
+    expert with grouped matmuls."""
 
     def __init__(self, num_experts: int, d_model: int, inter: int):
         super().__init__()
@@ -42,12 +45,10 @@ class SwiGLUExperts(nn.Module):
         h = F.silu(torch.bmm(x, self.w1.transpose(1, 2))) * torch.bmm(x, self.w3.transpose(1, 2))
         return torch.bmm(h, self.w2.transpose(1, 2))
 
-    def one(self, j: int, x: torch.Tensor) -> torch.Tensor:
-        """Local expert j on its rows x [n, D] (expert parallelism, `dynmo.model.moe.dispatch_ep`)."""
-        x = x.unsqueeze(0)
-        w1, w2, w3 = self.w1[j : j + 1], self.w2[j : j + 1], self.w3[j : j + 1]
-        h = F.silu(torch.bmm(x, w1.transpose(1, 2))) * torch.bmm(x, w3.transpose(1, 2))
-        return torch.bmm(h, w2.transpose(1, 2))[0]
+    def grouped(self, x: torch.Tensor, offs: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Rows x [R, D] sorted by expert (`dynmo.model.grouped`; idx unused: no biases) -> [R, D]."""
+        h = F.silu(grouped_mm(x, self.w1.transpose(1, 2), offs)) * grouped_mm(x, self.w3.transpose(1, 2), offs)
+        return grouped_mm(h, self.w2.transpose(1, 2), offs)
 
 
 class SparseMoE(nn.Module):

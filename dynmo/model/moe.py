@@ -8,18 +8,23 @@ Optional capacity factor: each expert keeps at most `ceil(cf * tokens * k / E)` 
 first choices before second choices, earlier tokens first; dropped assignments contribute
 nothing (the token keeps its residual).
 
-Expert compute follows the routing and is *padded to the busiest expert*: every expert's
-tokens are gathered into one [E, C, D] buffer with C = the largest expert load (capped by
-the capacity), and all experts run as one batched matmul over it. Why padding rather than an
-exact grouped matmul: on expert-parallel hardware each expert sits on its own device and the
-layer finishes when the busiest one does, so the layer's time is proportional to the maximum
-load, not the mean. On one device an exact grouped matmul costs sum_e load_e = tokens * k,
-the same every step, and would hide the imbalance the balancer must see. Padding makes the
-measured per-layer time (and the counted matmul rows, `expert_rows = E * C`) follow the
-routing imbalance the way expert-parallel hardware does. Padding rows are zeros and their
-outputs are discarded, so they change neither the result nor the gradients.
+Only active tokens (mask True) are routed; inactive ones get no MLP update. The routing keeps
+fixed shapes (`Routing`: all N * k assignments, a `keep` flag for the computed ones), so neither
+it nor the default expert compute waits for the host.
 
-Only active tokens (mask True) are routed; inactive ones get no MLP update.
+Expert compute, `moe.dispatch`:
+- "grouped" (default): no padding, no host synchronisation. The kept assignments are sorted by
+  expert on the device, each stacked expert weight is applied once by a grouped matmul over
+  them (`dynmo.model.grouped`: `torch._grouped_mm`, or an exact per-expert loop where the
+  installed torch lacks it), and the gate-weighted outputs are added back to their tokens.
+  It costs sum_e kept_e = the kept assignments, however skewed the routing: `expert_rows` =
+  `useful_rows`.
+- "padded": every expert's tokens gathered into one [E, C, D] buffer, C = the largest kept load,
+  and all experts run as one batched matmul over it (C is read on the host). This mimics one
+  device per expert without expert parallelism: there the layer finishes when the busiest expert
+  does, so its time follows the maximum load, not the mean, and `expert_rows` = E * C follows
+  the routing imbalance. Padding rows are zeros whose outputs are discarded, so the result and
+  the gradients are those of "grouped" (to float rounding).
 
 Expert parallelism (`parallel.ep` = P > 1, set up by `dynmo.runtime.experts`): the experts
 module then holds only its rank's num_experts/P experts and `parallel.expert_slots` copies
@@ -27,28 +32,22 @@ module then holds only its rank's num_experts/P experts and `parallel.expert_slo
 `ep` handle (its expert-parallel group) and a placement (`order`, `holders`: which ranks and
 slots hold each expert; a hot expert may have copies on several ranks, which share its tokens).
 Routing stays per replica as above; the kept assignments, sorted by their copy's position, go
-to the rank holding it by one all-to-all, each
-rank computes its local experts on exactly the rows it received (a loop over its local
-experts, one matmul each: no padding), and the outputs come back by the reverse all-to-all
-and are gate-weighted and summed as without it. Why no padding here: across ranks the layer
-already waits for the busiest rank in the all-to-all, so the imbalance is real and measured
-as it happens; padding every local expert to the busiest one would add made-up work to
-every rank on top of it. A loop rather than a padded buffer over the local experts keeps each
-rank's work equal to its real load (`expert_rows` counts it; `ep_rank_rows` lists the rows
-every rank of the group computed). Without expert parallelism (no `ep` handle) the code path
-is the padded one above, unchanged.
+to the rank holding it by one all-to-all, each rank computes its local experts grouped on
+exactly the rows it received (whatever `moe.dispatch` says: no padding), and the outputs come
+back by the reverse all-to-all and are gate-weighted and summed as without it. Across ranks the
+layer already waits for the busiest rank in the all-to-all, so the imbalance is real and
+measured as it happens (`expert_rows` counts this rank's rows; `ep_rank_rows` lists the rows
+every rank of the group computed). The all-to-all's sizes are read on the host.
 
 Per-layer stats (`block.last_stats`, summed/averaged over the forwards since
-`block.reset_stats()`): tokens_per_expert (assignments before dropping), routing_imbalance
-(mean over forwards of max/mean expert load), expert_rows (padded rows computed: the cost),
-useful_rows, dropped, active_tokens, aux_loss (mean), forwards; with expert parallelism
-expert_rows is the rows this rank computed and ep_rank_rows the rows each rank of its
-expert-parallel group computed.
+`block.reset_stats()`, kept as tensors where they are and read once per step by the metrics,
+`dynmo.model.stats.as_numbers`): tokens_per_expert (assignments before dropping),
+routing_imbalance (mean over forwards of max/mean expert load), expert_rows (rows computed: the
+cost), useful_rows (kept assignments), dropped, active_tokens, aux_loss (mean), forwards.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -58,13 +57,14 @@ import torch.nn.functional as F
 from dynmo.config import MoEConfig, ModelConfig
 from dynmo.model.aux_loss import attach_aux_loss
 from dynmo.model.gpt import CausalSelfAttention, Halves
+from dynmo.model.grouped import add_group_bias, dispatch_grouped, grouped_mm
 from dynmo.model.stats import StepStats
 
 MoEOptions = MoEConfig  # options live in the config ([model.moe])
 
 
 class ExpertLinear(nn.Module):
-    """E independent linear maps applied to an [E, C, in] buffer with one batched matmul."""
+    """E independent linear maps, stacked: weight [E, in, out], bias [E, out]."""
 
     def __init__(self, num_experts: int, d_in: int, d_out: int):
         super().__init__()
@@ -72,11 +72,13 @@ class ExpertLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(num_experts, d_out))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The padded buffer [E, C, in] -> [E, C, out], one batched matmul."""
         return torch.baddbmm(self.bias.unsqueeze(1), x, self.weight)
 
-    def one(self, j: int, x: torch.Tensor) -> torch.Tensor:
-        """Local expert j on its rows x [n, in] (expert parallelism)."""
-        return torch.baddbmm(self.bias[j : j + 1].unsqueeze(1), x.unsqueeze(0), self.weight[j : j + 1])[0]
+    def grouped(self, x: torch.Tensor, offs: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Rows x [R, in] sorted by expert (`grouped_mm`'s offs; idx [R]: each row's expert, E
+        for a row past the last offset: no bias) -> [R, out]."""
+        return add_group_bias(grouped_mm(x, self.weight, offs), self.bias, idx)
 
 
 class Experts(nn.Module):
@@ -91,22 +93,27 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.drop(self.proj(F.gelu(self.fc(x))))
 
-    def one(self, j: int, x: torch.Tensor) -> torch.Tensor:
-        """Local expert j on its rows x [n, D] (expert parallelism)."""
-        return self.drop(self.proj.one(j, F.gelu(self.fc.one(j, x))))
+    def grouped(self, x: torch.Tensor, offs: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by expert (`dynmo.model.grouped`) -> their experts' outputs."""
+        return self.drop(self.proj.grouped(F.gelu(self.fc.grouped(x, offs, idx)), offs, idx))
 
 
 @dataclass
 class Routing:
-    """One forward's routing decisions, over the routed (active) tokens."""
+    """One forward's routing decisions over all N tokens, in fixed shapes: A = N * top_k
+    assignments in priority order (every token's first choice, then second choices, ...; the
+    assignment of token n's j-th choice is j * N + n)."""
 
     probs: torch.Tensor  # [N, E] router probabilities
-    expert: torch.Tensor  # [A] expert of each kept assignment
-    token: torch.Tensor  # [A] token (row of the routed tokens) of each kept assignment
-    weight: torch.Tensor  # [A] gate weight of each kept assignment
-    slot: torch.Tensor  # [A] row in the expert's padded buffer
-    loads: torch.Tensor  # [E] assignments per expert before dropping
-    capacity_rows: int  # C: rows per expert in the padded buffer
+    expert: torch.Tensor  # [A] expert of each assignment
+    token: torch.Tensor  # [A] its token
+    weight: torch.Tensor  # [A] its gate weight
+    slot: torch.Tensor  # [A] its rank among its expert's assignments (active tokens only)
+    keep: torch.Tensor  # [A] bool: computed (its token active and within its expert's capacity)
+    loads: torch.Tensor  # [E] assignments of active tokens per expert, before dropping
+    kept: torch.Tensor  # [E] kept assignments per expert
+    active: torch.Tensor  # [N] bool: tokens routed (the mask)
+    n_active: torch.Tensor  # 0-dim: how many
 
 
 class MoELayer(nn.Module):
@@ -119,135 +126,130 @@ class MoELayer(nn.Module):
         nn.init.normal_(self.router.weight, 0.0, 0.02)
         self.experts = Experts(opts.num_experts, d_model, hidden, dropout)
 
-    def route(self, x: torch.Tensor) -> Routing:
-        return route(self.router(x), self.opts)
 
-    def aux_loss(self, r: Routing) -> torch.Tensor:
-        return aux_loss(r, self.opts.num_experts)
-
-    def forward(self, x: torch.Tensor, r: Routing) -> torch.Tensor:
-        """x: [N, D] routed tokens -> [N, D] gate-weighted sum of their experts' outputs."""
-        return dispatch(x, r, self.experts, self.opts.num_experts)
-
-
-def route(logits: torch.Tensor, opts: MoEOptions) -> Routing:
-    """Top-k token choice from router logits [N, E] (see the module docstring)."""
+def route(logits: torch.Tensor, opts: MoEOptions, active: torch.Tensor | None = None) -> Routing:
+    """Top-k token choice from router logits [N, E] of the tokens `active` [N] (bool; None: all)
+    marks (see the module docstring). Fixed shapes, no host synchronisation."""
     E, k = opts.num_experts, opts.top_k
     N = logits.shape[0]
+    if active is None:
+        active = torch.ones(N, dtype=torch.bool, device=logits.device)
     probs = F.softmax(logits, dim=-1)
     top_p, top_e = probs.topk(k, dim=-1)  # [N, k]
     if opts.norm_topk_prob:
         top_p = top_p / top_p.sum(-1, keepdim=True)
-    # Assignments in priority order: every token's first choice, then second choices, ...
     expert = top_e.t().reshape(-1)
     weight = top_p.t().reshape(-1)
     token = torch.arange(N, device=logits.device).repeat(k)
-    onehot = F.one_hot(expert, E)
+    live = active.repeat(k)
+    onehot = ((expert.unsqueeze(1) == torch.arange(E, device=expert.device)) & live.unsqueeze(1)).long()  # [A, E]
     slot = (onehot.cumsum(0) - 1).gather(1, expert[:, None]).squeeze(1)  # rank within its expert
     loads = onehot.sum(0)
-    rows = int(loads.max()) if N else 0
-    if opts.capacity_factor > 0:
-        cap = math.ceil(opts.capacity_factor * N * k / E)
-        keep = slot < cap
-        expert, token, weight, slot = expert[keep], token[keep], weight[keep], slot[keep]
-        rows = min(rows, cap)
-    return Routing(probs, expert, token, weight, slot, loads, rows)
+    n_active = active.sum()
+    keep, kept = live, loads
+    if opts.capacity_factor > 0:  # ceil(cf * tokens * k / E), the same float64 arithmetic as math.ceil's
+        cap = torch.ceil(n_active.to(torch.float64) * opts.capacity_factor * k / E).to(loads.dtype)
+        keep = live & (slot < cap)
+        kept = torch.minimum(loads, cap)
+    return Routing(probs=probs, expert=expert, token=token, weight=weight, slot=slot, keep=keep, loads=loads,
+                   kept=kept, active=active, n_active=n_active)
 
 
 def aux_loss(r: Routing, num_experts: int) -> torch.Tensor:
-    """Switch/Mixtral load-balancing loss of one layer: E * sum_e f_e * P_e."""
-    if r.probs.shape[0] == 0:
-        return r.probs.sum()
-    f = r.loads.to(r.probs.dtype) / r.loads.sum()
-    return num_experts * (f * r.probs.mean(0)).sum()
+    """Switch/Mixtral load-balancing loss of one layer over its active tokens: E * sum_e f_e * P_e
+    (0 without any)."""
+    f = r.loads.to(r.probs.dtype) / r.loads.sum().clamp(min=1)
+    p = torch.where(r.active.unsqueeze(1), r.probs, 0.0).sum(0) / r.n_active.clamp(min=1)
+    return num_experts * (f * p).sum()
 
 
-def dispatch(x: torch.Tensor, r: Routing, experts: nn.Module, num_experts: int) -> torch.Tensor:
-    """Run `experts` ([E, C, D] -> [E, C, D]) on the routed tokens x [N, D], padded to the
-    busiest expert, and return the gate-weighted sum of each token's experts' outputs."""
-    E, C, D = num_experts, r.capacity_rows, x.shape[1]
-    flat = r.expert * C + r.slot
-    buf = x.new_zeros(E * C, D).index_copy(0, flat, x[r.token])
-    y = experts(buf.view(E, C, D)).reshape(E * C, D)
-    out = y[flat] * r.weight[:, None]  # in the experts' dtype (bf16 under autocast)
-    return out.new_zeros(x.shape).index_add(0, r.token, out)
+def dispatch_padded(x: torch.Tensor, r: Routing, experts: nn.Module) -> tuple[torch.Tensor, int]:
+    """`model.moe.dispatch = "padded"`: run `experts` ([E, C, D] -> [E, C, D]) on the tokens x
+    [N, D], every expert padded to the busiest one's C kept rows (read on the host: the buffer's
+    shape follows the routing), and return the gate-weighted sum of each token's experts'
+    outputs and the rows computed, E * C."""
+    E, D = r.kept.shape[0], x.shape[1]
+    C = int(r.kept.max())
+    flat = torch.where(r.keep, r.expert * C + r.slot, E * C)  # a dropped assignment: the spare row
+    buf = x.new_zeros(E * C + 1, D).index_copy(0, flat, x[r.token])
+    y = experts(buf[: E * C].view(E, C, D)).reshape(E * C, D)
+    y = torch.cat([y, y.new_zeros(1, D)])  # the spare row's output: zeros
+    out = y[flat] * r.weight[:, None]  # in the experts' dtype promoted (bf16 x fp32 under autocast)
+    return out.new_zeros(x.shape).index_add(0, r.token, out), E * C
 
 
 def dispatch_ep(x: torch.Tensor, r: Routing, experts: nn.Module, num_experts: int) -> tuple[torch.Tensor, list[int]]:
     """Expert parallelism (see the module docstring): the kept assignments go to the ranks of
     their experts by all-to-all (`experts.ep`: the group's handle; `experts.holders[e]`: where
     the copies of expert e sit in the group, rank * K + slot, under the layer's placement), each
-    rank runs its local experts exactly on the rows it received, and the outputs come back the
-    same way. Returns the gate-weighted sum [N, D] and the rows each rank of the group computed.
+    rank runs its local experts on exactly the rows it received (one grouped matmul per
+    projection), and the outputs come back the same way. Returns the gate-weighted sum [N, D] and
+    the rows each rank of the group computed.
 
     An expert with c copies: this replica's assignments to it, in routing order, are cut into c
     runs of equal length (within one), the j-th run to copy (j + this rank) mod c, so that the
     replicas' remainders spread over the copies. Without copies, which rank holds an expert
     does not change its numbers: an expert gets the same rows in the same order (by source rank,
     then in routing order) wherever it sits, and the outputs are summed per token in routing
-    order, as in `dispatch`."""
+    order."""
     ep = experts.ep
     P = ep.size
     K = len(experts.order) // P  # slots a rank
-    holders = experts.holders.to(r.expert.device)
+    kept = r.keep.nonzero().squeeze(1)  # the sizes of the all-to-all are read on the host anyway
+    expert, token, weight = r.expert[kept], r.token[kept], r.weight[kept]
+    holders = experts.holders.to(expert.device)
     if not experts.copied:
-        where = holders[r.expert, 0]  # rank * K + slot of each kept assignment
+        where = holders[expert, 0]  # rank * K + slot of each kept assignment
     else:
-        copies = experts.copies.to(r.expert.device)
-        per = torch.bincount(r.expert, minlength=num_experts)  # this replica's assignments per expert
-        by = torch.argsort(r.expert, stable=True)
+        copies = experts.copies.to(expert.device)
+        per = torch.bincount(expert, minlength=num_experts)  # this replica's assignments per expert
+        by = torch.argsort(expert, stable=True)
         first = torch.cumsum(per, 0) - per
-        nth = torch.empty_like(r.expert)
-        nth[by] = torch.arange(r.expert.numel(), device=r.expert.device) - first[r.expert[by]]
-        c = copies[r.expert]
+        nth = torch.empty_like(expert)
+        nth[by] = torch.arange(expert.numel(), device=expert.device) - first[expert[by]]
+        c = copies[expert]
         # which copy: equal runs in routing order, the runs' lengths rotated by the source rank so
         # that no copy takes every replica's remainder
-        run = (nth * c // per[r.expert].clamp(min=1) + ep.rank) % c
-        where = holders[r.expert, run]
+        run = (nth * c // per[expert].clamp(min=1) + ep.rank) % c
+        where = holders[expert, run]
     order = torch.argsort(where, stable=True)  # by destination rank, then slot, then routing order
-    token = r.token[order]
     counts = torch.bincount(where, minlength=P * K)  # this replica's kept assignments per position
     table = ep.gather_counts(counts)  # [P, P * K]: every rank's, the same on all of them
     send = counts.view(P, K).sum(1).tolist()
     mine = table[:, ep.rank * K : (ep.rank + 1) * K]  # [P, K]: rows from each source per local slot
     recv = mine.sum(1).tolist()
-    xs = ep.all_to_all(x[token], send, recv)  # by source rank, then local slot
+    xs = ep.all_to_all(x[token[order]], send, recv)  # by source rank, then local slot
     local = torch.repeat_interleave(torch.arange(K).repeat(P), mine.reshape(-1)).to(x.device)
-    rows = [(local == j).nonzero().squeeze(1) for j in range(K)]
-    ys = [experts.one(j, xs[rows[j]]) for j in range(K)]
-    y = ys[0].new_zeros(xs.shape[0], ys[0].shape[1]).index_copy(0, torch.cat(rows), torch.cat(ys))
+    by_slot = torch.argsort(local, stable=True)  # by local slot, then source rank, then routing order
+    offs = torch.cumsum(mine.sum(0), 0).to(device=x.device, dtype=torch.int32)
+    ys = experts.grouped(xs[by_slot], offs, local[by_slot])
+    y = ys.new_empty(ys.shape).index_copy(0, by_slot, ys)
     back = ep.all_to_all(y, recv, send)  # in the order the rows were sent
     back = back.new_empty(back.shape).index_copy(0, order, back)  # routing order again
-    out = back * r.weight[:, None]  # promoted as in `dispatch`
+    out = back * weight[:, None]  # promoted as in `dispatch_padded`
     per_rank = table.view(P, P, K).sum(dim=(0, 2)).tolist()
-    return out.new_zeros(x.shape).index_add(0, r.token, out), per_rank
+    return out.new_zeros(x.shape).index_add(0, token, out), per_rank
 
 
-def routing_stats(r: Routing, aux: torch.Tensor, n_active: int, num_experts: int,
-                  ep_rank_rows: list[int] | None = None) -> dict:
-    """One forward's routing figures for `StepStats.add` (see the module docstring)."""
-    loads = r.loads.tolist()
-    mean = sum(loads) / len(loads)
-    if ep_rank_rows is not None:  # expert parallelism: this rank's exact rows, and every rank's
-        return dict(
-            tokens_per_expert=loads,
-            routing_imbalance=max(loads) / mean if mean else 1.0,
-            expert_rows=ep_rank_rows[0],
-            ep_rank_rows=ep_rank_rows[1],
-            useful_rows=int(r.expert.numel()),
-            dropped=sum(loads) - int(r.expert.numel()),
-            active_tokens=n_active,
-            aux_loss=float(aux),
-        )
-    return dict(
+def routing_stats(r: Routing, aux: torch.Tensor, expert_rows, ep_rank_rows: list[int] | None = None) -> dict:
+    """One forward's routing figures for `StepStats.add` (see the module docstring), as device
+    tensors (read once per step by the metrics); `expert_rows` the rows computed."""
+    loads = r.loads
+    total = loads.sum()
+    useful = r.kept.sum()
+    mean = total.to(torch.float64) / loads.shape[0]
+    out = dict(
         tokens_per_expert=loads,
-        routing_imbalance=max(loads) / mean if mean else 1.0,
-        expert_rows=num_experts * r.capacity_rows,
-        useful_rows=int(r.expert.numel()),
-        dropped=sum(loads) - int(r.expert.numel()),
-        active_tokens=n_active,
-        aux_loss=float(aux),
+        routing_imbalance=torch.where(total > 0, loads.max() / mean, 1.0),  # max / mean load
+        expert_rows=expert_rows,
+        useful_rows=useful,
+        dropped=total - useful,
+        active_tokens=r.n_active,
+        aux_loss=aux.detach(),
     )
+    if ep_rank_rows is not None:  # expert parallelism: the rows every rank of the group computed
+        out["ep_rank_rows"] = ep_rank_rows
+    return out
 
 
 def routing_summary(s: StepStats) -> dict:
@@ -272,20 +274,20 @@ def sparse_mlp(h: torch.Tensor, mask: torch.Tensor, router: nn.Module, experts: 
     its (unweighted) load-balancing loss; the forward's routing figures go into `stats`."""
     B, T, D = h.shape
     h = h.reshape(B * T, D)
-    active = mask.reshape(-1).nonzero().squeeze(1)
-    routed = h[active]
-    r = route(router(routed), opts)
+    r = route(router(h), opts, mask.reshape(-1))
     ep_rows = None
-    if getattr(experts, "ep", None) is None:
-        out = dispatch(routed, r, experts, opts.num_experts)
+    if getattr(experts, "ep", None) is not None:
+        out, per_rank = dispatch_ep(h, r, experts, opts.num_experts)
+        rows, ep_rows = per_rank[experts.ep.rank], per_rank
+    elif opts.dispatch == "padded":
+        out, rows = dispatch_padded(h, r, experts)
     else:
-        out, per_rank = dispatch_ep(routed, r, experts, opts.num_experts)
-        ep_rows = (per_rank[experts.ep.rank], per_rank)
-    y = h.new_zeros(h.shape).index_copy(0, active, out.to(h.dtype) if ep_rows else out)
+        out = dispatch_grouped(h, r, experts)
+        rows = r.kept.sum()
     aux = aux_loss(r, opts.num_experts)
     with torch.no_grad():
-        stats.add(**routing_stats(r, aux, routed.shape[0], opts.num_experts, ep_rows))
-    return y.view(B, T, D), aux
+        stats.add(**routing_stats(r, aux, rows, ep_rows))
+    return out.to(h.dtype).view(B, T, D), aux
 
 
 class RoutedBlock(Halves, nn.Module):
