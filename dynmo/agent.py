@@ -45,6 +45,24 @@ def _hold_torch_logs() -> _HeldLogs:
     return held
 
 
+def _short_socket_folder() -> None:
+    """The fork server listens on a Unix socket in multiprocessing's temporary folder, made once
+    per process under TMPDIR; a socket's path holds at most 107 bytes, which a long TMPDIR passes
+    ("AF_UNIX path too long"). Make that folder under /tmp then. The workers keep TMPDIR."""
+    import os
+    import tempfile
+    from multiprocessing import util
+
+    if len(tempfile.gettempdir()) <= 64 or not os.access("/tmp", os.W_OK):
+        return
+    saved = tempfile.tempdir
+    tempfile.tempdir = "/tmp"
+    try:
+        util.get_temp_dir()  # kept for the process's life, removed at its exit
+    finally:
+        tempfile.tempdir = saved
+
+
 def agent(argv: list[str]) -> int:
     """torchrun's elastic agent, run in this process: `python -m dynmo.agent RUN_FOLDER
     TORCHRUN-ARGS`, which `dynmo train` starts instead of `python -m torch.distributed.run`.
@@ -65,6 +83,7 @@ def agent(argv: list[str]) -> int:
 
     run_folder, rest = argv[0], argv[1:]
     held = _hold_torch_logs()
+    _short_socket_folder()
     multiprocessing.forkserver.set_forkserver_preload(WORKER_PRELOAD)  # read when the server starts
     logs = tempfile.mkdtemp(prefix="dynmo-torchrun-")  # the workers' error files; removed at the end
     try:

@@ -357,3 +357,12 @@ def test_a_rank_prints_each_line_in_one_write_even_unbuffered(monkeypatch):
         print("dynmo: rank 0 read", 19, "tensors", file=getattr(sys, name), flush=True)
         print("Traceback ...\nValueError: x\ndynmo: error: x\n", end="", file=getattr(sys, name))
         assert raw.writes == [b"dynmo: rank 0 read 19 tensors\n", b"Traceback ...\nValueError: x\ndynmo: error: x\n"]
+
+
+def test_a_long_temporary_folder_path_still_launches(tmp_path):
+    """The workers' fork server listens on a Unix socket in a temporary folder, and a socket's
+    path holds at most 107 bytes: a long TMPDIR must not stop the job."""
+    long = tmp_path / ("d" * 90)
+    long.mkdir()
+    p = run_train(tmp_path / "run", "--steps", "1", env={"TMPDIR": str(long)}, check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
