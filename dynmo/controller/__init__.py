@@ -51,6 +51,21 @@ to that noise looks better than it is (the winner's curse). So `auto` moves laye
     (`judge.judge_migration`): a migration that made the step slower by more than the step
     times' own noise is undone, its layout is never chosen again in the run, and the margin
     doubles.
+Pre-registered fallbacks (`fallback`; `Controller.fallback`, on by default). The winner's curse
+is a cost of selection: the window's optimum was chosen because it looked best on those very
+steps. The start layout and the static layouts known before step 0 (uniform, params, flops)
+were chosen before any cost was seen, so every step each of them is tested against the current
+layout by a paired test on the observed steps' own costs (per-step savings, a one-sided test
+of their trimmed mean against the margin on the last n steps for some n from window + 1 on,
+Bonferroni over the lengths scanned and the fallbacks, the noise the larger of the run's spread
+and the steps' before it, or right after a migration a 20 times stricter level; each of the
+last window + 1 steps above the margin), and a fallback that passes is moved to at once, no
+confirming steps, its saving repaying the migration; two steps on which the current layout ran
+4/3 times as long as a fallback (`fallback.FAR_GAIN`) are enough. The controller then searches
+from there as usual. So a layout the controller's own earlier move chose is left within a few
+steps once the costs move again and a fixed layout is clearly faster, where the window's
+optimum may keep failing its evidence. Its false-alarm rate and the measurements are in
+`dynmo.controller.fallback`.
 Replayed figures and the trade-off between reaction time and false moves are in the
 records docs/controller.md links (docs/bench/controller-*.md).
 
@@ -78,13 +93,15 @@ The decision, step by step (`Controller.decide`), each step in its own module:
   trigger   whether this step may decide at all (`when`, the dynamism window)
   forecast  per-layer median of the window (`Controller.forecast`)
   re-pack   the fewest workers within tolerance, once the model shrank (`repack`)
+  fallback  `auto`: the start and the priors' layouts against the current one (`fallback`)
   propose   the balancer's layout for the forecast, worth its margin and its migration
   evidence  `auto`: the gain significant on the observed steps, then on fresh steps (`evidence`)
 The step-time model (`steptime`), how the controller scores layouts with it on the forecast
 and on each observed step (`scoring`), and the migration cost model (`migration`) are what
 every step compares with. The `Controller` (`core`) keeps the state and runs the steps; its
-mixins hold them: the proposals (`rebalancing`), the re-pack and the grow (`packing`), and
-`auto`'s defences that span steps, large changes and the migration judge (`safeguards`).
+mixins hold them: the proposals (`rebalancing`), the fallbacks (`fallback`), the re-pack and
+the grow (`packing`), and `auto`'s defences that span steps, large changes and the migration
+judge (`safeguards`).
 """
 
 from dynmo.controller.core import CONFIRM, JUDGE, RESTART_S, Controller, Decision

@@ -2,9 +2,10 @@
 
 The policy and its reasons are in the package docstring (`dynmo.controller`); each step's
 judgement lives in its own module (`evidence`, `judge`, `repack`, `migration`, `steptime`), and
-the `Controller`'s own steps in its mixins: the proposals (`rebalancing.Rebalancing`), the re-pack
-and the grow (`packing.Packing`), `auto`'s defences that span steps (`safeguards.Safeguards`) and
-the scoring of layouts (`scoring.Scoring`). What it decides is a `Decision` (`decision`).
+the `Controller`'s own steps in its mixins: the proposals (`rebalancing.Rebalancing`), the
+pre-registered fallbacks (`fallback.Fallbacks`), the re-pack and the grow (`packing.Packing`),
+`auto`'s defences that span steps (`safeguards.Safeguards`) and the scoring of layouts
+(`scoring.Scoring`). What it decides is a `Decision` (`decision`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dynmo.config import BalanceConfig
 from dynmo.controller import evidence, migration
 from dynmo.controller.decision import Decision
 from dynmo.controller.evidence import CONFIRM
+from dynmo.controller.fallback import Fallbacks
 from dynmo.controller.judge import JUDGE, Judge
 from dynmo.controller.migration import MIGRATION_BANDWIDTH, MIGRATION_FIXED_S
 from dynmo.controller.packing import Packing
@@ -34,7 +36,7 @@ RESTART_S = 60.0
 
 
 @dataclass
-class Controller(Rebalancing, Packing, Safeguards, Scoring):
+class Controller(Rebalancing, Fallbacks, Packing, Safeguards, Scoring):
     """The decision core: a forecast of per-layer cost and the triggers of `dynmo.controller`.
     `cfg` holds the knobs (`[balance]`: when, every, balancer, window, min_gain, horizon, repack,
     repack_tolerance, memory_gb)."""
@@ -82,6 +84,12 @@ class Controller(Rebalancing, Packing, Safeguards, Scoring):
     # others on measured steps rather than left for one noisy forecast's optimum
     priors: dict = field(default_factory=dict)
     prior_memo: dict = field(default_factory=dict, repr=False)  # stages -> the priors' layouts
+    # auto: test the current layout every step against the layouts fixed before any cost was seen
+    # (the start, the priors'), and move to one at once when it is faster beyond the recent steps'
+    # noise (`fallback`); False: the controller without them
+    fallback: bool = True
+    # the layout of the first decision (a resumed run's: the one it resumed on): a fallback
+    start: Layout | None = None
 
     def __post_init__(self) -> None:
         if self.cfg.window < 1:
@@ -153,9 +161,11 @@ class Controller(Rebalancing, Packing, Safeguards, Scoring):
         return migration.migration_cost(self.fixed_s, self.bandwidth, layer_bytes, current, new)
 
     def decide(self, step: int, current: Layout, layer_bytes: list[int], steps_left: int) -> Decision | None:
-        """judge -> trigger -> forecast -> re-pack -> propose (with `auto`'s evidence)."""
+        """judge -> trigger -> forecast -> re-pack -> fallback (`auto`) -> propose (with `auto`'s evidence)."""
         c = self.cfg
         self.widest = max(self.widest, current.num_stages)
+        if self.start is None:
+            self.start = current
         # `every` is the paper's fixed frequency: the user's schedule, not judged
         revert = self._judge_last_migration(current, layer_bytes, steps_left) if c.when not in ("never", "every") else None
         if revert is not None:
@@ -173,6 +183,10 @@ class Controller(Rebalancing, Packing, Safeguards, Scoring):
                 return d
         if c.repack and current.num_stages > 1:
             d = self._repack(step, costs, current, layer_bytes, steps_left)
+            if d is not None:
+                return d
+        if c.when == "auto" and self.fallback:
+            d = self._fall_back(step, current, layer_bytes, steps_left)
             if d is not None:
                 return d
         return self._rebalance(step, costs, current, layer_bytes, steps_left)

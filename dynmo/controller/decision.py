@@ -17,5 +17,5 @@ class Decision:
     released: int = 0  # pipeline positions released by a re-pack (per replica)
     predicted_step_s: float = 0.0  # step time of the new layout (`step_time`), under the forecast
     current_step_s: float = 0.0  # the same, current layout
-    reason: str = ""  # "rebalance", "repack" or "revert" (a migration that lost, undone)
+    reason: str = ""  # "rebalance", "fallback" (to a layout fixed before step 0), "repack", "grow" or "revert" (a migration that lost, undone)
     best_step_s: float = 0.0  # a re-pack: the step time of the best layout on every worker the run started with

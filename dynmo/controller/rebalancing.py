@@ -143,9 +143,9 @@ class Rebalancing:
         return self.steady, sum(old_t) / len(old_t), sum(new_t) / len(new_t)
 
     def _rebalanced(self, step: int, problem: Problem, current: Layout, new: Layout, t_now: float, t_new: float,
-                    horizon: int, layer_bytes: list[int]) -> Decision:
+                    horizon: int, layer_bytes: list[int], reason: str = "rebalance") -> Decision:
         loads = problem.loads_of_assignment
         return self._decided(step, current, Decision(
             new, max(loads(new.owner())), max(loads(current.owner())), (t_now - t_new) * horizon,
             self.migration_cost(layer_bytes, current, new), predicted_step_s=t_new, current_step_s=t_now,
-            reason="rebalance"))
+            reason=reason))

@@ -77,6 +77,9 @@ class ReplayOptions:
     # growing back after a re-pack is a checkpoint restart: its seconds (and the controller's prior)
     restart_s: float = RESTART_S
     charge_decide: bool = True  # add the measured time of the controller's decisions
+    # the controller's pre-registered fallbacks (`dynmo.controller`); False replays it without them,
+    # to measure what they change
+    fallback: bool = True
     # communication
     comm: float = 0.0  # seconds per activation / gradient transfer between stages
     # extra seconds per activation / gradient transfer on link j (stage j <-> j+1), stages - 1

@@ -264,6 +264,7 @@ def run_dynamic(trace: Trace, runner: Runner, stages: int, balancer: str, do_rep
                        transfer=links, transfer_back=links, boundary_bytes=h.boundary_bytes, layer_flops=flops,
                        migration_fixed_s=opts.migration_fixed_s, migration_bandwidth=opts.migration_bandwidth)
         lp.controller.restart_s = opts.restart_s
+        lp.controller.fallback = opts.fallback
         return lp
 
     loop = new_loop()

@@ -1,0 +1,195 @@
+"""`auto`'s pre-registered fallbacks: the layouts fixed before any cost was seen, tested against the current one every step.
+
+Why they need less evidence. The evidence of `dynmo.controller.evidence` guards a move to the
+optimum of a noisy window: that layout was selected among many because it looked best on those
+very steps, so its gain there is biased up (the winner's curse), and it needs a margin, fresh
+confirming steps and the optimum's own luck to hold. The start layout and the static layouts a
+user could have fixed (uniform, params, flops: `Controller.prior_layouts`) were chosen before
+step 0. Their per-step gains over the current layout are not selected from the noise, so a
+paired test on the steps themselves is fair, each fallback is tested on its own (not only the
+forecast's optimum), and a move to one needs no confirming steps.
+
+The test (`faster`). Each observed step k gives the relative saving g_k of fallback f over the
+current layout under that step's own costs (both simulated, as the evidence's gains), on the
+steps since the evidence last started afresh (a migration, a large change; up to
+EVIDENCE_STEPS). The costs may have moved n steps ago for any n, so the test scans the last n
+steps ("the run") for every n from s = window + 1 (`short_steps`) to all of them. f is faster
+when for some n
+
+    mean_t(run) - t(1 - a, h - 1) x spread x sqrt((n - 1) / (h (h - 1))) >= margin
+
+a one-sided paired test of the run's savings against the margin, Yuen's as the window's
+evidence (`evidence.trimmed`: mean_t the mean of the run with TRIM of its steps cut from each
+end, h the steps kept, spread the winsorized standard deviation), so that a few spiky steps
+move it little: a fallback whose saving lives in a few steps of swinging routing is not taken
+for a faster one (a plain mean moved the committed Mixtral trace off its start for a 1.6 %
+loss). Where s or more steps came before the run, spread is the larger of the run's own and
+theirs: a few steps can lie close together by chance (in one of 48 seeds of the noise
+injector, five steps of a saving whose step-to-step spread is 3 % agreed within 0.3 %), and a
+run cannot claim less noise than the steps before it showed. Where fewer came before (right
+after a migration) there is nothing to compare with, and the run's test is held to a level
+EVIDENCE_STEPS times stricter. And each of the last s steps' savings must clear the margin,
+whatever the run: the fallback is faster now, not in a regime that has ended (the trimmed mean
+of a long run can still hold the old one). a is alpha over the number of lengths scanned
+(Bonferroni: the change point is searched, so the search is paid for), alpha = (1 -
+confidence_now) / the number of fallbacks (`level`; `confidence_now` as the window's evidence:
+lowered for each block of EVIDENCE_STEPS steps since the evidence last started afresh). A
+lasting change far above the noise passes on the shortest run, s = 4 steps after it by
+default, where the window's optimum waits for window + confirm (5) and must then be confirmed;
+a modest lasting saving passes once enough steps carry it (5 % on a 2 % spread: within 16
+steps).
+
+A far larger change moves after two steps (`far_faster`): the fallback saved FAR_GAIN (a
+quarter) or more of the current layout's step time on each of the last two steps (the current
+layout ran them 4/3 times as long). One step of noise can go that far (a straggler microbatch on
+a busy core); two in a row the noise injector's do not: under `configs/noisy.toml`'s injected
+costs the largest saving a fixed layout showed on two steps in a row was 0.146 (48 seeds x 200
+steps, its slow phases and stragglers included), so FAR_GAIN stands 1.7 times above it. The
+large-change rule of the window's evidence needs its departure to be twice anything the step
+times showed over 100 steps; a run's own step-to-step noise (a committed trace's steps depart
+30 to 60 %) can keep that from ever holding, where a fixed layout's gain, relative on the same
+step's costs, is free of the noise all layouts share. Where the costs move again soon after a
+move (a reversal, a hot region that moves on), every step of the wait runs the current layout
+a third or more slower than the fallback: with the threshold at 1.5 times (the window's
+`evidence.LARGE`), a layout 1.4 times as slow waited out the whole shortest run.
+
+Its false alarms. Under the test's model (independent normal per-step savings whose mean is at
+most the margin, the same spread before and during the run) one look at the fallbacks passes
+with probability at most 1 - confidence_now; as for the window's evidence, a block's looks on
+overlapping steps count as one, so a run of K blocks errs at most (1 - confidence) x H_K
+(0.15 in 200 steps at the default 0.95) where a fallback is exactly the margin faster, and far
+more rarely where it is slower than the current layout, the usual case. Measured
+(tests/test_controller_fallback.py, docs/controller.md), 200 runs of 200 steps with three
+fallbacks whose savings are normal with a 3 % spread: at mean 0 no run passed; at mean = the
+margin, 1.5 % of the runs; a 3-step transient of 5 times the spread on mean-0 savings, none;
+`configs/noisy.toml` on its injected costs, with a fallback within 0.3 % of its layout, no
+migration in 48 seeds x 200 steps.
+
+What the move still needs: the saving over the horizon (the mean saving of the last s steps,
+or of the last two) repays the migration; a layout left within the horizon needs twice the
+margin and one judged lost is never taken (as every move). The controller then searches from
+there with the usual evidence. Pure.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from statistics import fmean
+
+import numpy as np
+
+from dynmo.balance import Problem
+from dynmo.controller import candidates, evidence
+from dynmo.controller.decision import Decision
+from dynmo.layout import Layout
+
+
+def short_steps(window: int) -> int:
+    """The short run a change must outlast: the forecast's window plus one step."""
+    return window + 1
+
+
+def level(confidence: float, fallbacks: int) -> float:
+    """alpha of one look at the fallbacks, each fallback's share: what the confidence leaves to
+    chance, spread over them."""
+    return (1 - confidence) / max(1, fallbacks)
+
+
+# a handful of (level, df) pairs recur every step: the quantile's bisection runs once for each
+_t_quantile = lru_cache(maxsize=1024)(evidence.t_quantile)
+
+
+# a fallback that saved this share of the current layout's step time on each of the last two
+# steps moves at once (the current layout ran them 4/3 times as long): 1.7 times the largest such
+# saving the noise injector's costs showed (0.146, configs/noisy.toml, 48 seeds x 200 steps)
+FAR_GAIN = 0.25
+
+
+def far_faster(gains: list[float]) -> bool:
+    """The last two steps each saved FAR_GAIN or more of the current layout's step time."""
+    return len(gains) >= 2 and min(gains[-2:]) >= FAR_GAIN
+
+
+def faster(gains: list[float], short: int, margin: float, alpha: float) -> bool:
+    """The fallback's per-step gains (oldest first) show it faster than the current layout by
+    more than the margin beyond what the noise explains, over the last n steps for some n from
+    `short` on: each length's test (Yuen's trimmed mean, as `evidence.trimmed`) at alpha over
+    the lengths tried, its spread the larger of the run's own (winsorized) and that of the steps
+    before it when `short` or more came before, else at alpha / EVIDENCE_STEPS more (a run with
+    nothing to compare its spread with); and each of the last `short` steps above the margin."""
+    g = np.asarray(gains[::-1], dtype=float)  # newest first: g[:n] is the last n steps
+    total = len(g)
+    if total < short or g[:short].min() <= margin:  # faster now, not in a regime that has ended
+        return False
+    n = np.arange(short, total + 1)  # the lengths scanned
+    cols = np.arange(total)
+    inside = cols[None, :] < n[:, None]
+    x = np.sort(np.where(inside, g[None, :], np.inf), axis=1)  # each run sorted, padded after it
+    cut = (evidence.TRIM * n).astype(int)
+    h = n - 2 * cut
+    rows = np.arange(len(n))
+    lo, hi = x[rows, cut], x[rows, n - cut - 1]
+    kept = inside & (cols[None, :] >= cut[:, None]) & (cols[None, :] < (n - cut)[:, None])
+    mean = np.where(kept, x, 0.0).sum(axis=1) / h
+    win = np.where(inside, np.clip(x, lo[:, None], hi[:, None]), 0.0)
+    wmean = win.sum(axis=1) / n
+    spread = np.sqrt(np.where(inside, (win - wmean[:, None]) ** 2, 0.0).sum(axis=1) / (n - 1))
+    m = total - n  # the steps before each run
+    s1 = np.concatenate(([0.0], np.cumsum(g[::-1])))  # oldest first: s1[m] sums the m steps before
+    s2 = np.concatenate(([0.0], np.cumsum(g[::-1] ** 2)))
+    referenced = m >= short
+    mm = np.maximum(m, 2)
+    before = np.sqrt(np.maximum(s2[m] - s1[m] ** 2 / mm, 0.0) / (mm - 1))
+    spread = np.where(referenced, np.maximum(spread, before), spread)
+    se = spread * np.sqrt((n - 1) / (h * (h - 1)))
+    a = np.where(referenced, alpha, alpha / evidence.EVIDENCE_STEPS) / len(n)
+    t = np.asarray([_t_quantile(1 - float(ak), int(k) - 1) for ak, k in zip(a, h)])
+    return bool(((mean > margin) & (mean - t * se >= margin)).any())
+
+
+class Fallbacks:
+    """`decide`'s fallback step: a mixin of the `Controller`, reading its state (`cfg`, `start`,
+    `history`, `margin`, `lost`, `left`) and its scoring
+    (`dynmo.controller.scoring.Scoring`), and handing a move to `_rebalanced`
+    (`dynmo.controller.rebalancing.Rebalancing`)."""
+
+    def _fallbacks(self, problem: Problem, current: Layout) -> list[Layout]:
+        """The start and the priors' layouts on the current stages, each within the memory cap,
+        but the current one and those judged lost."""
+        lays = [self.start] if self.start is not None and self.start.num_stages == current.num_stages \
+            and candidates.fits(problem, self.start) else []
+        lays += self.prior_layouts(problem, current.num_stages)
+        return [lay for lay in dict.fromkeys(lays) if lay != current and lay.boundaries not in self.lost]
+
+    def _fall_back(self, step: int, current: Layout, layer_bytes: list[int], steps_left: int) -> Decision | None:
+        """The fastest fallback `faster` than the current layout whose saving repays its migration."""
+        short = short_steps(self.cfg.window)
+        problem = self.problem(self.forecast(), current.num_stages, current)
+        options = self._fallbacks(problem, current)
+        if not options:
+            return None
+        now, *times = self.history_times([current, *options])
+        alpha = level(self.confidence_now(), len(options))
+        horizon = max(0, min(self.cfg.horizon, steps_left))
+        best = None
+        for lay, t in zip(options, times):
+            margin = self.margin
+            if step - self.left.get(lay.boundaries, -10**9) <= self.cfg.horizon:
+                margin *= 2  # no ping-pong, as every move
+            gains = evidence.gains(now, t)
+            if far_faster(gains):
+                recent = 2
+            elif faster(gains, short, margin, alpha):
+                recent = short
+            else:
+                continue
+            t_now, t_new = fmean(now[-recent:]), fmean(t[-recent:])
+            if (t_now - t_new) * horizon <= self.migration_cost(layer_bytes, current, lay):
+                continue
+            if best is None or t_new < best[2]:
+                best = (lay, t_now, t_new)
+        if best is None:
+            return None
+        lay, t_now, t_new = best
+        return self._rebalanced(step, problem, current, lay, t_now, t_new, horizon, layer_bytes, reason="fallback")
