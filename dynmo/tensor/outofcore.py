@@ -36,7 +36,7 @@ import numpy as np
 from dynmo.tensor import duck, parquet
 from dynmo.tensor.coo import TensorError
 from dynmo.tensor.features import Distribution, DuplicateError, Moments, TensorFeatures, assemble
-from dynmo.tensor.tns import MAX_SIZE, TensorFileError, _first_bad_line, _open, _read_header, line_numbers
+from dynmo.tensor.tns import MAX_SIZE, TensorFileError, _first_bad_line, _open, layout, line_numbers
 
 BLOCK_BYTES = 1 << 25  # text read per block: 32 MiB, about 1.5M lines of a 4-mode tensor
 
@@ -113,17 +113,7 @@ def tns_layout(p: Path, header: bool | None) -> tuple[int, int, tuple[int, ...] 
     """(columns a line holds, lines before the first nonzero, the header's sizes or None) of a
     .tns file, with the in-memory reader's errors for one that holds no tensor of order >= 2."""
     name = str(p)
-    if not p.exists():
-        raise TensorFileError(f"{name}: no such file")
-    if p.is_dir():
-        raise TensorFileError(f"{name}: is a folder; give a .tns file")
-    stream, raw = _open(p)
-    with raw, stream:
-        first = stream.read(1 << 16).decode("latin-1")
-    order, head_sizes, used = _read_header(name, first, header)
-    skip = first.count("\n", 0, used)
-    ncols = order + 1 if order else next((len(ln.split("#", 1)[0].split()) for ln in first[used:].split("\n")
-                                          if ln.split("#", 1)[0].split()), 0)
+    ncols, skip, head_sizes, _ = layout(p, header)
     if ncols == 0:
         raise TensorFileError(f"{name}: no nonzeros (the file is empty, or holds only comments"
                               f"{' and its header' if head_sizes else ''})")

@@ -106,11 +106,10 @@ def _read_header(path: str, text: str, forced: bool | None) -> tuple[int, tuple[
     return order, tuple(sizes), used
 
 
-def read_tns(path, *, sizes=None, header: bool | None = None, values: bool = True) -> SparseTensor:
-    """Read a `.tns` file (plain or gzip). `sizes` overrides the header's and the largest indices;
-    `values=False` checks the values but keeps none (features need only the coordinates)."""
-    p = Path(path)
-    name = str(path)
+def layout(p: Path, header: bool | None) -> tuple[int, int, tuple[int, ...] | None, bool]:
+    """(numbers a line holds, 0 for none found; the lines before the first nonzero: the header
+    and comments; the header's sizes or None; whether it is gzip) of a .tns file."""
+    name = str(p)
     if not p.exists():
         raise TensorFileError(f"{name}: no such file")
     if p.is_dir():
@@ -121,15 +120,20 @@ def read_tns(path, *, sizes=None, header: bool | None = None, values: bool = Tru
             first = stream.read(1 << 16).decode("latin-1")
         except (OSError, EOFError) as e:
             raise TensorFileError(f"{name}: cannot be read ({e})") from None
-    gz = stream is not raw
     order, head_sizes, used = _read_header(name, first, header)
     skip = first.count("\n", 0, used)  # the lines the header, and any comments before it, take
-    # A path takes numpy's fast reader (it opens .gz by name); a gzip file under another name
-    # is read through a line iterator, ~1.5x slower.
     ncols = order + 1 if order else next((len(ln.split("#", 1)[0].split()) for ln in first[used:].split("\n")
                                           if ln.split("#", 1)[0].split()), 0)
-    if ncols == 1:
-        raise _first_bad_line(p, skip, 0)
+    return ncols, skip, head_sizes, stream is not raw
+
+
+def read_tns(path, *, sizes=None, header: bool | None = None, values: bool = True) -> SparseTensor:
+    """Read a `.tns` file (plain or gzip). `sizes` overrides the header's and the largest indices;
+    `values=False` checks the values but keeps none (features need only the coordinates)."""
+    p = Path(path)
+    name = str(path)
+    ncols, skip, head_sizes, gz = layout(p, header)
+    if ncols == 1:        raise _first_bad_line(p, skip, 0)
     # Indices parse as integers and the value as a float in one pass (a structured dtype; faster
     # than floats throughout). A path takes numpy's fast reader (it opens .gz by name); a gzip
     # file under another name is read through a line iterator, ~1.5x slower.
