@@ -23,7 +23,6 @@ path's. A lost worker's tasks are run again by Dask on another (the tasks are pu
 from __future__ import annotations
 
 import io
-import math
 import warnings
 from pathlib import Path
 from typing import Callable
@@ -31,7 +30,7 @@ from typing import Callable
 import numpy as np
 
 from dynmo.tensor.coo import TensorError
-from dynmo.tensor.features import Distribution, DuplicateError, Moments, TensorFeatures, assemble
+from dynmo.tensor.features import Distribution, DuplicateError, Moments, TensorFeatures, assemble, count_product
 from dynmo.tensor.tns import MAX_SIZE, TensorFileError, _first_bad_line, _open, _read_header
 
 PIECE_BYTES = 1 << 26  # a task's share of a file: 64 MiB of text
@@ -249,13 +248,12 @@ def features_on_dask(path, address: str, *, sizes=None, header: bool | None = No
         for name in total:
             for k, mom in r[name].items():
                 total[name][k] = _add(total[name].get(k), mom)
-    prod = lambda xs: math.prod(int(x) for x in xs)  # noqa: E731
-    fibers = {0: Distribution("nnz_per_fiber", (0,), prod(dims[1:]), None, moments=total["fiber0"]["fibers"])}
+    fibers = {0: Distribution("nnz_per_fiber", (0,), count_product(dims[1:]), None, moments=total["fiber0"]["fibers"])}
     slices, fps = [], []
     for a in range(1, order):
         for b in range(a):
             rest = [m for m in range(order) if m not in (a, b)]
-            slice_all, t = prod(dims[m] for m in rest), total[f"{a},{b}"]
+            slice_all, t = count_product(dims[m] for m in rest), total[f"{a},{b}"]
             if a not in fibers:
                 fibers[a] = Distribution("nnz_per_fiber", (a,), slice_all * dims[b], None, moments=t["fibers"])
             slices.append(Distribution("nnz_per_slice", (b, a), slice_all, None, moments=t["slices"]))

@@ -163,7 +163,7 @@ def _runs(sorted_key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sorted_key[starts], counts.astype(np.int32) if n < 2**31 else counts
 
 
-def _prod(xs) -> int:
+def count_product(xs) -> int:
     return math.prod(int(x) for x in xs)  # Python ints: counts of all slices can pass 2**64
 
 
@@ -189,14 +189,14 @@ def features(t: SparseTensor, progress: Callable[[str], None] | None = None) -> 
     full //= sizes[0]
     _, per_fiber0 = _runs(full)
     del full
-    fibers[0] = Distribution("nnz_per_fiber", (0,), _prod(sizes[1:]), per_fiber0)
+    fibers[0] = Distribution("nnz_per_fiber", (0,), count_product(sizes[1:]), per_fiber0)
 
     slices: list[Distribution] = []
     fps: list[Distribution] = []
     pairs = [(a, b) for a in range(1, n_modes) for b in range(a)]  # FeaTensor's order
     for k, (a, b) in enumerate(pairs, 1):
         rest = [m for m in range(n_modes) if m not in (a, b)]
-        slice_all = _prod(sizes[m] for m in rest)
+        slice_all = count_product(sizes[m] for m in rest)
         key = mixed_key([idx[m] for m in rest] + [idx[b]], [sizes[m] for m in rest] + [sizes[b]])
         key.sort()
         fiber_keys, per_fiber = _runs(key)  # fibers of free mode a

@@ -35,7 +35,7 @@ import numpy as np
 
 from dynmo.tensor import duck, parquet
 from dynmo.tensor.coo import TensorError
-from dynmo.tensor.features import Distribution, DuplicateError, Moments, TensorFeatures, assemble
+from dynmo.tensor.features import Distribution, DuplicateError, Moments, TensorFeatures, assemble, count_product
 from dynmo.tensor.tns import MAX_SIZE, TensorFileError, _first_bad_line, _open, layout, line_numbers
 
 BLOCK_BYTES = 1 << 25  # text read per block: 32 MiB, about 1.5M lines of a 4-mode tensor
@@ -173,14 +173,14 @@ def _features(con, name: str, sizes: tuple[int, ...], nnz: int, say) -> TensorFe
         raise DuplicateError(f"coordinate {tuple(int(x) + 1 for x in coord)} (1-based) appears twice",
                              (int(dup[0]), int(dup[1])))
     say("features: no coordinate repeats")
-    fibers = {0: Distribution("nnz_per_fiber", (0,), math_prod(sizes[1:]), None,
+    fibers = {0: Distribution("nnz_per_fiber", (0,), count_product(sizes[1:]), None,
                               moments=_moments(con, f"SELECT count(*) AS c FROM t GROUP BY "
                                                     f"{', '.join(f'i{m}' for m in range(1, n))}"))}
     slices, fps = [], []
     pairs = [(a, b) for a in range(1, n) for b in range(a)]  # FeaTensor's order
     for k, (a, b) in enumerate(pairs, 1):
         rest = [m for m in range(n) if m not in (a, b)]
-        slice_all = math_prod(sizes[m] for m in rest)
+        slice_all = count_product(sizes[m] for m in rest)
         keys = ", ".join(f"i{m}" for m in rest)
         con.execute(f"CREATE OR REPLACE TEMP TABLE f AS SELECT {keys}{', ' if keys else ''}count(*) AS c "
                     f"FROM t GROUP BY {keys}{', ' if keys else ''}i{b}")
@@ -196,13 +196,6 @@ def _features(con, name: str, sizes: tuple[int, ...], nnz: int, say) -> TensorFe
         say(f"features: slices of modes ({b}, {a}) done, {k} of {len(pairs)}")
     con.execute("DROP TABLE IF EXISTS f")
     return assemble(name, sizes, nnz, slices, [fibers[m] for m in range(n)], fps)
-
-
-def math_prod(xs) -> int:
-    out = 1
-    for x in xs:
-        out *= int(x)
-    return out
 
 
 def convert_to_parquet(src, out, memory_gb: float, tmp_dir, *, sizes_=None, header: bool | None = None, say=None) -> tuple[int, tuple[int, ...]]:
