@@ -19,7 +19,8 @@ GRID.toml (configs/tensor-grid.toml is an example):
 
 Every grid point is planned (`generate.plan`) before anything is written, so a point the sizes
 cannot hold ends the command in one line naming it. Tensor k goes to `DIR/tNNNNN.tns` (written
-under a temporary name and renamed when whole), then its features are measured on the written
+under a temporary name and renamed when whole; a killed run's temporary files are removed by
+the next), then its features are measured on the written
 file and its row appended to `DIR/index.csv` (rewritten whole and renamed, so a row is never half
 there): `file` (relative to DIR), `seed`, `requested_<name>` for each target, and
 `measured_<name>` for each feature, named as in `dynmo tensor features --json` (`measured_nnz`,
@@ -177,6 +178,8 @@ def make(grid_text: str, grid_name: str, folder: Path, likes: list[str],
         raise DatasetError(f"{folder} holds the dataset of another grid (its grid.toml differs); "
                            "give another --out, or pass --overwrite to start it again")
     saved.write_text(stamp)
+    for stale in [*folder.glob("t[0-9]*.tns.tmp*"), *folder.glob(".index.*.part")]:
+        stale.unlink()  # what a killed run was writing
     rows = read_index(folder)
     done = {row["file"] for row in rows}
     g = load_grid(grid_text, grid_name)
@@ -186,9 +189,7 @@ def make(grid_text: str, grid_name: str, folder: Path, likes: list[str],
         if name in done:
             continue
         t = _tensor(job, g["values"])
-        part = folder / f".{name}.part"
-        write_tns(t, part)
-        os.replace(part, folder / name)
+        write_tns(t, folder / name)  # under a temporary name, renamed when whole
         doc = features(read_tns(folder / name, values=False)).to_dict()
         rows.append({"file": name, "seed": job["seed"], **_requested(job), **measured(doc)})
         _write_index(folder, rows)
