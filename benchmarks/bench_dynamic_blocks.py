@@ -6,7 +6,7 @@ one thread"; "MoE expert dispatch: grouped against padded and dense", from
 `--cases moe --d-model 512 --seq-len 512 --batch 4`).
 
     python benchmarks/bench_dynamic_blocks.py [--repeats 7] [--d-model 256] [--seq-len 128] [--batch 4]
-        [--cases moe,mod,hashattn] [--clock cpu|wall]
+        [--cases moe,mod,hashattn] [--clock cpu|wall] [--device cpu|cuda] [--dtype fp32|bf16]
 
 Per case the routing / capacity / hashing is varied on purpose, and each row prints the block's
 own counted work (from `block.last_stats`) next to its measured forward + backward time
@@ -39,8 +39,19 @@ from dynmo.model.moe import MoEBlock
 from dynmo.model.stats import as_numbers
 
 
-CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
+def _cuda_now() -> float:
+    torch.cuda.synchronize()  # a CUDA kernel's time is over when the device says so
+    return time.perf_counter()
+
+
+CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter, "cuda": _cuda_now}
 clock = CLOCKS["cpu"]
+DEVICE = torch.device("cpu")
+DTYPE = None  # autocast dtype (bf16 on a GPU), None = fp32
+
+
+def on_device(module):
+    return module.to(DEVICE)
 
 
 def fwd_bwd_s(fns: list, params: list[list], repeats: int) -> list[float]:
@@ -55,7 +66,9 @@ def fwd_bwd_s(fns: list, params: list[list], repeats: int) -> list[float]:
             for p in ps:
                 p.grad = None
             t = clock()
-            fn().float().square().mean().backward()
+            with torch.autocast(DEVICE.type, dtype=DTYPE or torch.float32, enabled=DTYPE is not None):
+                y = fn()
+            y.float().square().mean().backward()
             if r:
                 times[k].append(clock() - t)
     return [statistics.median(ts) for ts in times]
@@ -73,21 +86,23 @@ def fit(work: list[float], secs: list[float]) -> str:
 
 
 def model_cfg(args, **kw) -> ModelConfig:
-    return ModelConfig(**{"d_model": args.d_model, "n_heads": 4, "seq_len": args.seq_len, "n_layers": 8, "mlp_ratio": 4, **kw})
+    heads = max(4, args.d_model // 128)  # 4 up to d_model 512, then heads of 128
+    return ModelConfig(**{"d_model": args.d_model, "n_heads": heads, "seq_len": args.seq_len, "n_layers": 8,
+                          "mlp_ratio": 4, **kw})
 
 
 def bench_moe(args) -> None:
     E, k = 8, 2
     cfg = model_cfg(args, block="moe", moe=MoEConfig(num_experts=E, top_k=k))  # one MoEConfig, shared
     B, T, D = args.batch, args.seq_len, args.d_model
-    x = torch.randn(B, T, D, generator=torch.Generator().manual_seed(0))
-    mask = torch.ones(B, T, dtype=torch.bool)
+    x = torch.randn(B, T, D, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    mask = torch.ones(B, T, dtype=torch.bool, device=DEVICE)
     skews = [0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0]
-    dense = build_layer(LayerSpec("t", 1), model_cfg(args, mlp_ratio=4 * k), seed=0)  # the same active FLOPs
+    dense = on_device(build_layer(LayerSpec("t", 1), model_cfg(args, mlp_ratio=4 * k), seed=0))  # the same active FLOPs
     blocks: list[MoEBlock] = []
     stats: dict[str, list[dict]] = {"grouped": [], "padded": []}
     for skew in skews:
-        block: MoEBlock = build_layer(LayerSpec("t", 1), cfg, seed=0)
+        block: MoEBlock = on_device(build_layer(LayerSpec("t", 1), cfg, seed=0))
         with torch.no_grad():  # push expert 0's router row along the tokens' shared direction
             h = block.ln2(x + block.attn(block.ln1(x))).reshape(-1, D).mean(0)
             block.moe.router.weight[0] += skew * h / h.norm()
@@ -124,11 +139,12 @@ def bench_moe(args) -> None:
 
 def bench_mod(args) -> None:
     B, T, D = args.batch, args.seq_len, args.d_model
-    x = torch.randn(B, T, D, generator=torch.Generator().manual_seed(1))
-    mask = torch.ones(B, T, dtype=torch.bool)
+    x = torch.randn(B, T, D, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    mask = torch.ones(B, T, dtype=torch.bool, device=DEVICE)
     caps = [0.0625, 0.125, 0.25, 0.5, 0.75, 1.0]
-    blocks = [build_layer(LayerSpec("t", 1), model_cfg(args), seed=0), *[
-        build_layer(LayerSpec("t", 1), model_cfg(args, block="mod", mod=MoDConfig(capacity=c)), seed=0) for c in caps]]
+    blocks = [on_device(build_layer(LayerSpec("t", 1), model_cfg(args), seed=0)), *[
+        on_device(build_layer(LayerSpec("t", 1), model_cfg(args, block="mod", mod=MoDConfig(capacity=c)), seed=0))
+        for c in caps]]
     stats = []
     for b in blocks[1:]:
         b(x, mask)
@@ -144,18 +160,19 @@ def bench_mod(args) -> None:
 
 def bench_hashattn(args) -> None:
     B, T, D, chunk = args.batch, args.hash_seq_len, args.d_model, args.chunk
-    x = torch.randn(B, T, D, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(B, T, D, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     buckets = [1, 2, 4, 8, 16]
-    dense = Block(model_cfg(args, seq_len=T)).attn
-    attns = [build_layer(LayerSpec("t", 1), model_cfg(args, seq_len=T, block="hashattn",
-                                                      hashattn=HashAttnConfig(n_buckets=nb, chunk=chunk)), seed=0).attn
+    dense = on_device(Block(model_cfg(args, seq_len=T)).attn)
+    attns = [on_device(build_layer(LayerSpec("t", 1), model_cfg(args, seq_len=T, block="hashattn",
+                                                                hashattn=HashAttnConfig(n_buckets=nb, chunk=chunk)),
+                                   seed=0).attn)
              for nb in buckets]
     infos = [a(x)[1] for a in attns]
     fns = [lambda: dense(x)] + [lambda a=a: a(x)[0] for a in attns]
     secs = fwd_bwd_s(fns, [list(dense.parameters())] + [list(a.parameters()) for a in attns], args.repeats)
     t_dense, secs = secs[0], secs[1:]
     n = T // chunk
-    print(f"\nHash-sparse attention: d_model {D}, 4 heads, {B}x{T} tokens, tiles of {chunk} "
+    print(f"\nHash-sparse attention: d_model {D}, {max(4, D // 128)} heads, {B}x{T} tokens, tiles of {chunk} "
           f"({n * (n + 1) // 2} causal tiles per head and sequence); dense causal SDPA {1e3 * t_dense:.2f} ms")
     print(f"{'buckets':>8} {'computed':>9} {'of causal':>10} {'skipped':>8} {'attn fwd+bwd ms':>16} {'vs SDPA':>8}")
     for nb, info, t in zip(buckets, infos, secs):
@@ -175,13 +192,21 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4, help="sequences per microbatch")
     ap.add_argument("--cases", default="moe,mod,hashattn")
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
-                    help="cpu: this process's CPU seconds (default; other jobs do not count), wall: elapsed")
+                    help="cpu: this process's CPU seconds (default; other jobs do not count), wall: elapsed; "
+                         "with --device cuda always elapsed after a device synchronize")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16: autocast, as train.dtype bf16")
     args = ap.parse_args()
-    global clock
-    clock = CLOCKS[args.clock]
-    torch.set_num_threads(1)  # one pipeline rank's share of this machine
-    print(f"torch {torch.__version__}, 1 thread; time = median of {args.repeats} forward+backward runs "
-          f"({args.clock} seconds)")
+    global clock, DEVICE, DTYPE
+    DEVICE = torch.device(args.device)
+    DTYPE = torch.bfloat16 if args.dtype == "bf16" else None
+    if args.device == "cuda":
+        clock, where = CLOCKS["cuda"], torch.cuda.get_device_name()
+    else:
+        clock, where = CLOCKS[args.clock], "1 thread"
+        torch.set_num_threads(1)  # one pipeline rank's share of this machine
+    print(f"torch {torch.__version__}, {where}, {args.dtype}; time = median of {args.repeats} forward+backward "
+          f"runs ({'cuda' if args.device == 'cuda' else args.clock} seconds)")
     for case in args.cases.split(","):
         {"moe": bench_moe, "mod": bench_mod, "hashattn": bench_hashattn}[case.strip()](args)
 

@@ -4,6 +4,7 @@ Produces the tables in docs/bench/hashattn-kernels.md.
 
     python benchmarks/bench_hashattn.py [--seqs 2048,4096,8192,16384] [--buckets 1,2,4,8,16]
         [--paths staircase,tiles] [--repeats 3] [--flex]
+    python benchmarks/bench_hashattn.py --device cuda --dtype bf16 [--paths flex,tiles]   # one GPU
     python benchmarks/bench_hashattn.py --model [--steps 12] [--pairs 2]
 
 Kernel mode: one thread, B 1, 4 heads of 128 (`--heads`, `--head-dim`), random queries, keys,
@@ -48,8 +49,20 @@ from dynmo.model.hashattn import hash_sparse_attention, lsh_buckets
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _cuda_now() -> float:
+    torch.cuda.synchronize()  # a CUDA kernel's time is over when the device says so
+    return time.perf_counter()
+
+
 def clock(kind: str):
-    return time.process_time if kind == "cpu" else time.perf_counter
+    return {"cpu": time.process_time, "wall": time.perf_counter, "cuda": _cuda_now}[kind]
+
+
+def rand(gen, *shape, args, grad: bool = False) -> torch.Tensor:
+    """Random values drawn on the CPU (the same on every device), then on --device in --dtype."""
+    dt = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    t = torch.randn(*shape, generator=gen).to(args.device, dt)
+    return t.requires_grad_() if grad else t
 
 
 def fwd_bwd(fn, q, k, v, now) -> float:
@@ -71,7 +84,7 @@ def fwd(fn, q, k, v, now) -> float:
 def pair_fraction(q, k, planes) -> float:
     """Allowed (query, key) pairs / causal pairs, from the hashes, without a T x T tensor."""
     T = q.shape[2]
-    pos = torch.arange(T)
+    pos = torch.arange(T, device=q.device)
     with torch.no_grad():
         bq, bk = lsh_buckets(q, planes), lsh_buckets(k, planes)
         keys = torch.sort(bk * T + pos, dim=-1).values
@@ -84,7 +97,8 @@ def kernel_table(args) -> None:
     now = clock(args.clock)
     H, hd, chunk = args.heads, args.head_dim, args.chunk
     paths = args.paths.split(",")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), B 1, {H} heads of {hd}, "
+    where = torch.cuda.get_device_name() if args.device == "cuda" else f"{torch.get_num_threads()} thread(s)"
+    print(f"torch {torch.__version__}, {where}, {args.dtype}, B 1, {H} heads of {hd}, "
           f"tile {chunk}, {args.clock} seconds, median of {args.repeats} paired repeats")
     head = "| T | buckets | SDPA s | " + " | ".join(f"{p} s | {p} x" for p in paths)
     head += " | tile ideal | pair ideal | " + " | ".join(f"{p} x/ideal" for p in paths) + " |"
@@ -96,8 +110,8 @@ def kernel_table(args) -> None:
             sdpa_s, times, ratios = [], {p: [] for p in paths}, {p: [] for p in paths}
             tile_ideal = pair_ideal = 0.0
             for rep in range(args.repeats + 1):  # one warm-up round
-                q, k, v = (torch.randn(1, H, T, hd, generator=gen).requires_grad_() for _ in range(3))
-                planes = torch.randn(H, hd, nb, generator=gen)
+                q, k, v = (rand(gen, 1, H, T, hd, args=args, grad=True) for _ in range(3))
+                planes = rand(gen, H, hd, nb, args=args)
                 for p in paths:
                     s = fwd_bwd(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, k, v, now)
                     t = fwd_bwd(lambda q, k, v: hash_sparse_attention(q, k, v, planes, chunk, p)[0], q, k, v, now)
@@ -106,7 +120,7 @@ def kernel_table(args) -> None:
                         times[p].append(t)
                         ratios[p].append(t / s)
                 if rep:
-                    _, info = hash_sparse_attention(q.detach(), k.detach(), v.detach(), planes, chunk, "staircase")
+                    _, info = hash_sparse_attention(q.detach(), k.detach(), v.detach(), planes, chunk, paths[0])
                     tile_ideal += float(info["blocks_computed"]) / info["blocks_causal"] / args.repeats
                     pair_ideal += pair_fraction(q, k, planes) / args.repeats
             row = [f"{T}", f"{nb}", f"{statistics.median(sdpa_s):.3f}"]
@@ -132,8 +146,8 @@ def flex_table(args) -> None:
             gen = torch.Generator().manual_seed(T * 100 + nb)
             r_st, r_fx, sd = [], [], []
             for rep in range(args.repeats + 1):
-                q, k, v = (torch.randn(1, H, T, hd, generator=gen) for _ in range(3))
-                planes = torch.randn(H, hd, nb, generator=gen)
+                q, k, v = (rand(gen, 1, H, T, hd, args=args) for _ in range(3))
+                planes = rand(gen, H, hd, nb, args=args)
                 s = fwd(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, k, v, now)
                 a = fwd(lambda q, k, v: hash_sparse_attention(q, k, v, planes, chunk, "staircase")[0], q, k, v, now)
                 b = fwd(lambda q, k, v: hash_sparse_attention(q, k, v, planes, chunk, "flex")[0], q, k, v, now)
@@ -178,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqs", default="2048,4096,8192,16384", help="sequence lengths, comma-separated")
     ap.add_argument("--buckets", default="1,2,4,8,16", help="LSH bucket counts, comma-separated")
-    ap.add_argument("--paths", default="staircase,tiles", help="kernels to time (staircase, tiles)")
+    ap.add_argument("--paths", default=None,
+                    help="kernels to time: staircase, tiles, flex (default staircase,tiles on CPU, flex,tiles on CUDA)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=128)
@@ -186,13 +201,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
     ap.add_argument("--flex", action="store_true", help="also the forward-only table with compiled FlexAttention")
     ap.add_argument("--model", action="store_true", help="time dynmo train of the long config against dense instead")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: time with a device synchronize")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="of q, k and v (bf16 on a GPU)")
     ap.add_argument("--steps", type=int, default=12, help="--model: training steps per run")
     ap.add_argument("--pairs", type=int, default=2, help="--model: alternating (hashattn, dense) pairs")
     args = ap.parse_args(argv)
     if args.model:
         model_table(args)
         return 0
-    torch.set_num_threads(1)
+    if args.device == "cuda":
+        args.clock = "cuda"
+        args.paths = args.paths or "flex,tiles"
+    else:
+        args.paths = args.paths or "staircase,tiles"
+        torch.set_num_threads(1)
     kernel_table(args)
     if args.flex:
         flex_table(args)
