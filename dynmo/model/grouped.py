@@ -83,8 +83,8 @@ def loop_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tenso
 class _GroupBias(torch.autograd.Function):
     """y [R, out] + bias[idx] (bias [E, out]; idx [R], E: a row nobody computes, no bias). The
     forward is one matmul with the rows' one-hot experts (cheaper than a gather and an add), the
-    backward an index_add that sends the rows of idx E to a spare row (their gradients may be
-    undefined, and a matmul would spread them over every expert)."""
+    backward the transposed one over the gradient with the rows of idx E zeroed first (their
+    gradients may be undefined, and a matmul would spread a NaN over every expert)."""
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, bias: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -97,7 +97,10 @@ class _GroupBias(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         (idx,) = ctx.saved_tensors
-        grad_bias = g.new_zeros(ctx.E + 1, g.shape[1]).index_add_(0, idx, g)[: ctx.E]
+        E = ctx.E
+        onehot = (idx.unsqueeze(1) == torch.arange(E, device=idx.device)).to(g.dtype)  # a row of idx E: zeros
+        kept = torch.where((idx < E).unsqueeze(1), g, 0)  # a row nobody computes may hold NaN
+        grad_bias = onehot.t() @ kept  # a matmul, not an index_add: no atomics (slow in bf16 on a GPU)
         return g, grad_bias.to(ctx.bias_dtype), None
 
 

@@ -142,9 +142,11 @@ def route(logits: torch.Tensor, opts: MoEOptions, active: torch.Tensor | None = 
     weight = top_p.t().reshape(-1)
     token = torch.arange(N, device=logits.device).repeat(k)
     live = active.repeat(k)
-    onehot = ((expert.unsqueeze(1) == torch.arange(E, device=expert.device)) & live.unsqueeze(1)).long()  # [A, E]
-    slot = (onehot.cumsum(0) - 1).gather(1, expert[:, None]).squeeze(1)  # rank within its expert
-    loads = onehot.sum(0)
+    # [E, A]: expert e's live assignments. Scanned along its inner dim: a GPU's scan along the
+    # outer dim of an [A, E] tensor runs E columns wide and took milliseconds at A = 16k.
+    onehot = ((torch.arange(E, device=expert.device).unsqueeze(1) == expert) & live).long()
+    slot = (onehot.cumsum(1) - 1).gather(0, expert[None, :]).squeeze(0)  # rank within its expert
+    loads = onehot.sum(1)
     n_active = active.sum()
     keep, kept = live, loads
     if opts.capacity_factor > 0:  # ceil(cf * tokens * k / E), the same float64 arithmetic as math.ceil's
