@@ -20,7 +20,8 @@ from dynmo.checks_balance import check_balancing, check_expert_balance, check_la
 from dynmo.checks_data import (CHECKPOINT_KEYS, MODEL_SHAPE_FIELDS, check_checkpoint, check_checkpoint_cases,
                                check_checkpoint_grow, check_checkpoint_placement, check_files, check_hf_files,
                                check_path, model_signature, read_checkpoint_meta)
-from dynmo.checks_model import check_block_options, check_cases, check_device_kernels, check_family, check_model
+from dynmo.checks_model import (check_block_options, check_cases, check_compile, check_device_kernels, check_family,
+                                check_model)
 from dynmo.checks_parallel import (SHARDS, check_batch, check_expert_parallel, check_pipeline, check_shard,
                                    check_unit)
 from dynmo.checks_values import BACKENDS, RANGES, check_values, require
@@ -29,7 +30,7 @@ from dynmo.plan import recompute_blocks
 
 __all__ = [
     "BACKENDS", "CHECKPOINT_KEYS", "MODEL_SHAPE_FIELDS", "RANGES", "SHARDS", "check_balancing", "check_batch",
-    "check_block_options", "check_cases", "check_device_kernels", "check_checkpoint", "check_checkpoint_cases", "check_checkpoint_grow",
+    "check_block_options", "check_cases", "check_compile", "check_device_kernels", "check_checkpoint", "check_checkpoint_cases", "check_checkpoint_grow",
     "check_checkpoint_placement", "check_expert_balance", "check_expert_parallel", "check_family", "check_files",
     "check_hf_files", "check_layouts", "check_model", "check_path", "check_pipeline", "check_shard", "check_unit",
     "check_values", "model_signature", "parse_replacements", "read_checkpoint_meta", "require", "validate",
@@ -57,6 +58,7 @@ def validate(cfg: Config, world: int) -> list[str]:
     check_balancing(cfg, schedule, pp, v)
     check_block_options(cfg.model)
     check_device_kernels(cfg)
+    check_compile(cfg)
     check_cases(cfg, pp)
     check_files(cfg)
     if not cfg.checkpoint.resume:

@@ -97,6 +97,25 @@ def check_device_kernels(cfg: Config) -> None:
         raise ConfigError(problem)
 
 
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+
+
+def check_compile(cfg: Config) -> None:
+    """`train.compile`: a backend torch has, and no block that reads a routing on the host (no
+    graph could hold it)."""
+    t, m = cfg.train, cfg.model
+    if t.compile_backend not in COMPILE_BACKENDS:
+        raise ConfigError(f"train.compile_backend={t.compile_backend!r}: choose one of {', '.join(COMPILE_BACKENDS)}")
+    if not t.compile or m.block != "moe":
+        return
+    if m.moe.dispatch == "padded":
+        raise ConfigError("train.compile needs model.moe.dispatch = \"grouped\": the padded dispatch reads each "
+                          "step's busiest expert on the host, which breaks the graph")
+    if t.dtype != "bf16":
+        raise ConfigError("train.compile with MoE blocks needs train.dtype = \"bf16\": torch compiles its grouped "
+                          "expert matmul in bf16 only (or leave train.compile off)")
+
+
 def check_cases(cfg: Config, pp: int) -> None:
     """The dynamic-model cases enabled (prune, freeze, early exit, skew, noise) on this model, over
     `pp` pipeline ranks. The cases check their own options (imported only when enabled: they need torch)."""

@@ -116,6 +116,11 @@ class TrainConfig:
     # Blocks whose activations are recomputed in backward (torch.utils.checkpoint):
     # none | all | block numbers and ranges, 0-based as in the layer names, e.g. "1-4,7".
     activation_checkpointing: str = "none"
+    # Compile every placement unit's forward on its own (torch.compile, fullgraph); the backend:
+    # inductor | aot_eager | eager (the last two: to tell a compiler problem from the model's).
+    # See docs/gpu.md.
+    compile: bool = False
+    compile_backend: str = "inductor"
 
 
 @dataclass

@@ -59,6 +59,12 @@ def uses_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
     return _WORKS[key]
 
 
+def probe(w: torch.Tensor, dtype: torch.dtype) -> bool:
+    """`uses_grouped_mm` for rows in `dtype` times w [G, K, N] as `grouped_mm` receives it, run
+    now: a compiled caller asks this first, since the probe cannot run inside a graph."""
+    return uses_grouped_mm(torch.empty(0, w.shape[-2], device=w.device, dtype=dtype), w)
+
+
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """[R, N]: row i of x [R, K] times w[g] [K, N] of its group g (module docstring)."""
     if torch.is_autocast_enabled(x.device.type):

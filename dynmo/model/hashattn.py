@@ -105,7 +105,8 @@ def resolve_kernel(kernel: str, device_type: str, seq_len: int = STAIR_MIN_T) ->
     stands for itself): the fastest exact one that runs there."""
     if kernel != "auto":
         return kernel
-    if device_type == "cpu" and hashkernels.flash_cpu() is not None and seq_len >= STAIR_MIN_T:
+    if (device_type == "cpu" and hashkernels.flash_cpu() is not None and seq_len >= STAIR_MIN_T
+            and not torch.compiler.is_compiling()):  # the staircase plans on the host: no graph holds it
         return "staircase"
     if device_type == "cuda" and hashkernels.has_flex():
         return "flex"

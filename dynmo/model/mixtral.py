@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dynmo.config import ModelConfig
-from dynmo.model.grouped import grouped_mm
+from dynmo.model.grouped import grouped_mm, probe
 from dynmo.model.llama import Attention, RMSNorm, intermediate_size
 from dynmo.model.moe import RoutedBlock, sparse_mlp
 
@@ -49,6 +49,10 @@ class SwiGLUExperts(nn.Module):
         """Rows x [R, D] sorted by expert (`dynmo.model.grouped`; idx unused: no biases) -> [R, D]."""
         h = F.silu(grouped_mm(x, self.w1.transpose(1, 2), offs)) * grouped_mm(x, self.w3.transpose(1, 2), offs)
         return grouped_mm(h, self.w2.transpose(1, 2), offs)
+
+    def probe_grouped(self, dtype: torch.dtype) -> None:
+        for w in (self.w1, self.w2):  # before compiling (dynmo.runtime.compiled); w3 is w1's shape
+            probe(w.transpose(1, 2), dtype)
 
 
 class SparseMoE(nn.Module):

@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from dynmo.config import MoEConfig, ModelConfig
 from dynmo.model.aux_loss import attach_aux_loss
 from dynmo.model.gpt import CausalSelfAttention, Halves
-from dynmo.model.grouped import add_group_bias, dispatch_grouped, grouped_mm
+from dynmo.model.grouped import add_group_bias, dispatch_grouped, grouped_mm, probe
 from dynmo.model.stats import StepStats
 
 MoEOptions = MoEConfig  # options live in the config ([model.moe])
@@ -79,6 +79,9 @@ class ExpertLinear(nn.Module):
         """Rows x [R, in] sorted by expert (`grouped_mm`'s offs; idx [R]: each row's expert, E
         for a row past the last offset: no bias) -> [R, out]."""
         return add_group_bias(grouped_mm(x, self.weight, offs), self.bias, idx)
+
+    def probe_grouped(self, dtype: torch.dtype) -> None:
+        probe(self.weight, dtype)  # before compiling (dynmo.runtime.compiled)
 
 
 class Experts(nn.Module):

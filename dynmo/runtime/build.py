@@ -12,6 +12,7 @@ from dynmo.model.gpt import loss_fn
 from dynmo.model.hf import HFReader, load_layer
 from dynmo.model.layers import LayerSpec, build_layer, empty_layer
 from dynmo.runtime import experts, fsdp
+from dynmo.runtime.compiled import compile_unit
 from dynmo.runtime.dist import DistContext
 from dynmo.runtime.schedules import schedule_class
 from dynmo.runtime.stage import StageModule, TimedPipelineStage, boundary_bools, example_io
@@ -55,6 +56,9 @@ def build_stages(cfg: Config, ctx: DistContext, specs: list[LayerSpec], layers: 
     stages = []
     for s in mine:
         idx = list(layout.layers(s))
+        if cfg.train.compile:  # each unit on its own; a unit compiled before (it stayed) is left as it is
+            for i in idx:
+                compile_unit(layers[i], dtype, cfg.train.compile_backend)
         first, last = s == 0, s == layout.num_stages - 1
         carry_in, carry_out = carry(idx[0] - 1), carry(idx[-1])
         module = StageModule([specs[i].name for i in idx], [layers[i] for i in idx], idx,

@@ -1,0 +1,60 @@
+"""`train.compile`: every placement unit (embedding, block or half block, head) compiled on its
+own, as torchtitan compiles per block.
+
+What is compiled is the unit's `forward`, not its whole call: the module hooks that dynmo's
+techniques and the noise injector attach (early exit's gate, freezing's probes, injected
+delays) stay eager around it, and the stage's per-layer marks stay outside, so the profiler
+times each compiled unit as it times an eager one. The unit stays the same module with the same
+parameters and state dict, so checkpoints, migrations and optimizer state see no difference.
+
+- `fullgraph=True` for every block kind: a graph break is an error, not a silent slowdown.
+  The one exception is an expert-parallel MoE layer: its all-to-all exchanges row counts read
+  on the host (`all_to_all_single`'s split sizes are Python ints), which no graph can hold,
+  so it compiles with graph breaks around the exchange.
+- `dynamic=False`: the shapes inside a unit are fixed by the config (fixed-capacity routing,
+  fixed microbatch), so each unit compiles once. Units of one class share their compiled code
+  where their settings agree; a unit that arrives on a rank by migration (built fresh, then
+  compiled here) reuses it instead of compiling again (`tests/test_compile.py` counts).
+- The compile cache of one class holds one entry per distinct setting (a Mixture-of-Depths
+  capacity, a frozen block's `requires_grad`), so its limit is raised to `CACHE_LIMIT`.
+- The grouped expert matmul's capability probe (`dynmo.model.grouped`) runs eagerly before the
+  first compiled call, since a probe cannot run inside a graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+CACHE_LIMIT = 64
+
+
+def _raise_cache_limit() -> None:
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):  # the name since torch 2.6, and before
+        if hasattr(cfg, name) and getattr(cfg, name) < CACHE_LIMIT:
+            setattr(cfg, name, CACHE_LIMIT)
+
+
+def is_compiled(unit: nn.Module) -> bool:
+    return "forward" in vars(unit)
+
+
+def compile_unit(unit: nn.Module, dtype: torch.dtype, backend: str = "inductor") -> nn.Module:
+    """Compile `unit`'s forward in place (a no-op if it already is) and return the unit."""
+    if is_compiled(unit):
+        return unit
+    _raise_cache_limit()
+    for m in unit.modules():
+        probe = getattr(m, "probe_grouped", None)
+        if probe is not None:
+            probe(dtype)
+    expert_parallel = any(getattr(m, "ep", None) is not None for m in unit.modules())
+    unit.forward = torch.compile(unit.forward, fullgraph=not expert_parallel, dynamic=False, backend=backend)
+    return unit
+
+
+def eager(unit: nn.Module) -> nn.Module:
+    """Undo `compile_unit` (the unit's class forward again)."""
+    vars(unit).pop("forward", None)
+    return unit

@@ -1,0 +1,153 @@
+"""`train.compile`: each placement unit compiled on its own (dynmo.runtime.compiled).
+
+Every block kind of every family, whole and as halves, compiles with fullgraph=True (a graph
+break raises) and gives eager's loss and gradients; a unit built later (one arriving by
+migration) reuses the compiled code; inductor's code equals eager's to rounding; the real
+launcher trains a compiled pipeline through a migration with eager's losses; settings that
+cannot compile are refused before anything starts."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from dynmo.checks import check_compile
+from dynmo.config import Config, ConfigError, HashAttnConfig, ModelConfig, MoDConfig, MoEConfig
+from dynmo.model.gpt import loss_fn
+from dynmo.model.layers import build_layer, layer_specs
+from dynmo.runtime.compiled import compile_unit, eager, is_compiled
+from dynmo.runtime.stage import StageModule
+from tests.conftest import metrics, run_train
+
+KINDS = [("gpt", "dense"), ("gpt", "moe"), ("gpt", "mod"), ("gpt", "hashattn"),
+         ("llama", "dense"), ("llama", "mod"), ("llama", "hashattn"), ("mixtral", "moe")]
+# every kind whole; as halves, one of each family (the halves run the same code as the whole)
+UNITS = [(f, b, "block") for f, b in KINDS] + [("gpt", "moe", "sublayer"), ("llama", "hashattn", "sublayer"),
+                                                ("mixtral", "moe", "sublayer")]
+
+
+def tiny(family: str, block: str, **kw) -> ModelConfig:
+    args = dict(family=family, block=block, d_model=64, n_heads=4, seq_len=32, n_layers=2, vocab_size=128)
+    if family != "gpt":
+        args.update(n_kv_heads=2, intermediate_size=96)
+    args.update(moe=MoEConfig(num_experts=4, top_k=2), mod=MoDConfig(capacity=0.5),
+                hashattn=HashAttnConfig(n_buckets=4, chunk=8))
+    return ModelConfig(**{**args, **kw})
+
+
+def stage(cfg: ModelConfig, unit: str, dtype: torch.dtype, seed: int = 0) -> tuple[StageModule, list]:
+    specs = layer_specs(cfg, unit)
+    layers = [build_layer(s, cfg, seed) for s in specs]
+    return StageModule([s.name for s in specs], layers, list(range(len(specs))), dtype=dtype), layers
+
+
+def loss_and_grads(module: StageModule, tokens: torch.Tensor) -> list[torch.Tensor]:
+    module.zero_grad(set_to_none=True)
+    loss = loss_fn(module(tokens), tokens)
+    loss.backward()
+    return [loss.detach()] + [p.grad.float() for p in module.parameters() if p.grad is not None]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("family,block,unit", UNITS)
+def test_every_unit_compiles_whole_and_equals_eager(family, block, unit):
+    """fullgraph=True: any graph break would raise. MoE in bf16 (torch compiles its grouped
+    matmul in bf16 only); the others in fp32, where the eager backend's graph is eager's ops."""
+    dtype = torch.bfloat16 if block == "moe" else torch.float32
+    cfg = tiny(family, block)
+    ref, _ = stage(cfg, unit, dtype)
+    got, layers = stage(cfg, unit, dtype)
+    for layer in layers:
+        compile_unit(layer, dtype, backend="eager")
+        assert is_compiled(layer)
+    tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):  # the second call runs the cached graphs
+        a, b = loss_and_grads(ref, tokens), loss_and_grads(got, tokens)
+    assert len(a) == len(b) == 1 + sum(1 for _ in ref.parameters())
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, atol=0, rtol=0)
+    assert counters["stats"]["unique_graphs"] >= 1  # it did compile
+
+
+def test_a_unit_built_later_reuses_the_compiled_code():
+    """Blocks of one class with the same settings share one graph, and a block built afterwards
+    (what a migration hands a rank) runs without compiling again; the state dict is unchanged."""
+    cfg = tiny("gpt", "mod", n_layers=4)
+    module, layers = stage(cfg, "block", torch.float32)
+    keys = list(module.state_dict())
+    for layer in layers:
+        compile_unit(layer, torch.float32, backend="eager")
+    tokens = torch.randint(0, 128, (2, 32))
+    loss_and_grads(module, tokens)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs == 3  # embedding, block, head: not one per block
+    arrived = compile_unit(build_layer(layer_specs(cfg)[2], cfg, seed=7), torch.float32, backend="eager")
+    x = torch.randn(2, 32, 64, requires_grad=True)
+    arrived(x, torch.ones(2, 32, dtype=torch.bool))[0].sum().backward()
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert list(module.state_dict()) == keys
+    assert not is_compiled(eager(arrived))
+
+
+def test_inductor_equals_eager_to_rounding():
+    """The real compiler (inductor's C++ on CPU) on a whole tiny model, fp32."""
+    cfg = tiny("llama", "dense")
+    ref, _ = stage(cfg, "block", torch.float32)
+    got, layers = stage(cfg, "block", torch.float32)
+    for layer in layers:
+        compile_unit(layer, torch.float32)
+    tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(2))
+    for x, y in zip(loss_and_grads(ref, tokens), loss_and_grads(got, tokens)):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("setting,message", [
+    ({"train": {"compile_backend": "tvm"}}, "train.compile_backend='tvm': choose one of inductor, aot_eager, eager"),
+    ({"model": {"block": "moe", "moe": {"dispatch": "padded"}}}, "needs model.moe.dispatch = \"grouped\""),
+    ({"model": {"block": "moe"}}, "needs train.dtype = \"bf16\""),
+])
+def test_settings_that_cannot_compile_are_refused(setting, message):
+    from dynmo.config import apply_dict
+
+    cfg = Config()
+    apply_dict(cfg, {"train": {"compile": True}})
+    apply_dict(cfg, setting)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check_compile(cfg)
+    apply_dict(cfg, {"train": {"compile": False, "compile_backend": "inductor"}})
+    check_compile(cfg)  # without train.compile the block settings are fine
+
+
+def test_launcher_trains_compiled_through_a_migration(tmp_path):
+    """Two ranks, Mixture of Depths, a forced migration at step 3 (a block arrives compiled on
+    the other rank): the losses equal the eager run's, every layer is still timed, and the
+    final checkpoint is written."""
+    args = ["--steps", "5", "--model.block", "mod", "--parallel.relayout", "3:0,4,6"]
+    run_train(tmp_path / "eager", *args)
+    run_train(tmp_path / "compiled", *args, "--train.compile", "true", "--train.compile_backend", "aot_eager",
+              "--checkpoint.final", "true")
+    a, b = metrics(tmp_path / "eager"), metrics(tmp_path / "compiled")
+    assert [m["layout"] for m in a] == [m["layout"] for m in b] and a[-1]["layout"] != a[0]["layout"]
+    for x, y in zip(a, b):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5, abs=1e-6)
+        assert len(y["layer_fwd_s"]) == len(x["layer_fwd_s"]) and all(t > 0 for t in y["layer_fwd_s"])
+    assert any(p.name.startswith("checkpoint-") for p in (tmp_path / "compiled").iterdir())
+
+
+def test_hash_attention_on_cpu_compiles_with_the_tile_kernel():
+    """At 512 tokens eager CPU runs the staircase, which plans on the host; compiled, `auto` is
+    the tile kernel: one graph, the same attention to rounding."""
+    cfg = tiny("gpt", "hashattn", seq_len=512, hashattn=HashAttnConfig(n_buckets=4, chunk=64))
+    ref, _ = stage(cfg, "block", torch.float32)
+    got, layers = stage(cfg, "block", torch.float32)
+    for layer in layers:
+        compile_unit(layer, torch.float32, backend="eager")
+    tokens = torch.randint(0, 128, (1, 512), generator=torch.Generator().manual_seed(3))
+    for x, y in zip(loss_and_grads(ref, tokens), loss_and_grads(got, tokens)):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4)
