@@ -9,7 +9,8 @@
 # FlexAttention against SDPA), check-<group>.md (gpu_check.py's report per group of cases) and
 # checks.tar.gz (every group's report.json and console log). The run folders stay in WORK
 # (default /tmp/gpu-session).
-# GROUPS (default all): comma-separated from core, shrink, long, blocks, hashattn, staged.
+# GROUPS (default all but the compiled ones): comma-separated from core, shrink, long, blocks,
+# hashattn, staged, compiled, long-compiled (the last two: gpu_check --compile).
 # Each step has a time limit of its own, so a slow one cannot take the others' time.
 set -u
 OUT=${1:?usage: bash benchmarks/gpu_session.sh OUT [GROUPS]}
@@ -33,9 +34,12 @@ step() {  # step SECONDS NAME COMMAND...: run with a limit, log the exit status
   echo "== $name: rc $? in $((SECONDS - t0)) s" | tee -a "$OUT/session.txt"
 }
 
-check() {  # check SECONDS GROUP CASES STAGINGS
-  step "$1" "check-$2" python3 benchmarks/gpu_check.py --out "$WORK/check-$2" --cases "$3" --stagings "$4" \
-    >"$WORK/check-$2.log" 2>&1
+check() {  # check SECONDS GROUP CASES STAGINGS [gpu_check options]
+  local limit=$1 group=$2 cases=$3 stagings=$4
+  shift 4
+  step "$limit" "check-$group" python3 benchmarks/gpu_check.py --out "$WORK/check-$group" --cases "$cases" \
+    --stagings "$stagings" "$@" >"$WORK/check-$group.log" 2>&1
+  set -- "$limit" "$group"
   tail -3 "$WORK/check-$2.log"
   cp "$WORK/check-$2/report.md" "$OUT/check-$2.md" 2>/dev/null
   (cd "$WORK" && tar czf "$OUT/checks.tar.gz" check-*.log check-*/report.json 2>/dev/null)
@@ -44,7 +48,7 @@ check() {  # check SECONDS GROUP CASES STAGINGS
 for g in ${WANT//,/ }; do
   case $g in
     blocks)
-      step 90 blocks python3 benchmarks/bench_dynamic_blocks.py --device cuda --dtype bf16 --cases moe,mod \
+      step 60 blocks python3 benchmarks/bench_dynamic_blocks.py --device cuda --dtype bf16 --cases moe,mod \
         --d-model 2048 --seq-len 2048 --batch 4 --repeats 5 >"$OUT/blocks.md" 2>&1
       tail -30 "$OUT/blocks.md" ;;
     hashattn)
@@ -55,6 +59,8 @@ for g in ${WANT//,/ }; do
     shrink) check 60 shrink gpt-freezing,llama-freezing 1stage ;;
     long) check 150 long gpt-hashattn-8k,gpt-dense-8k,gpt-hashattn-16k,gpt-dense-16k 1stage ;;
     staged) check 120 staged gpt-moe,gpt-hashattn,gpt-mod 2stage ;;
+    compiled) check 170 compiled gpt-dense,gpt-mod,gpt-moe 1stage --compile ;;
+    long-compiled) check 120 long-compiled gpt-hashattn-8k,gpt-dense-8k 1stage --compile ;;
     *) echo "unknown group $g" >&2; exit 2 ;;
   esac
 done
