@@ -4,6 +4,7 @@ folder of shards; bad input is one line and exit 2."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import numpy as np
@@ -76,3 +77,48 @@ def test_bad_input_is_one_line(tmp_path, scheduler, capsys):
                           (["--dask", "local:2", "--memory-gb", "1"], "leave out --memory-gb and --plot")):
         assert dynmo_main(["tensor", "features", str(tmp_path / "bad.tns"), *args]) == 2
         assert message in capsys.readouterr().err
+
+
+# Stand-ins for round 1's task that the workers import from this module (a task travels by
+# name): one that kills its worker process once, one that kills every worker it lands on.
+def _map_dying_once(piece, parts, marker):
+    import os
+    from pathlib import Path
+
+    if not Path(marker).exists():
+        Path(marker).write_text("died")
+        os._exit(1)  # the worker process, mid-task: Dask's nanny starts a new one
+    return cluster.map_piece(piece, parts)
+
+
+def _map_always_dying(piece, parts):
+    import os
+
+    os._exit(1)
+
+
+def test_a_worker_lost_mid_run_changes_nothing(tmp_path, monkeypatch):
+    """The worker running a piece dies; Dask runs the piece again on a worker it still has, and
+    every feature still equals the in-memory path's."""
+    from distributed import LocalCluster
+
+    t = random_tensor(np.random.default_rng(11), 3, 400, 1.0)
+    write_tns(t, tmp_path / "t.tns")
+    marker = tmp_path / "died"
+    monkeypatch.setattr(cluster, "map_piece", functools.partial(_map_dying_once, marker=str(marker)))
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as c:
+        got = cluster.features_on_dask(tmp_path / "t.tns", c.scheduler_address, parts=2).to_dict()
+    assert marker.read_text() == "died"
+    assert got == features(read_tns(tmp_path / "t.tns", values=False)).to_dict()
+
+
+def test_a_task_that_kills_every_worker_is_one_line(tmp_path, monkeypatch, capsys):
+    from distributed import LocalCluster
+
+    t = random_tensor(np.random.default_rng(12), 3, 50, 0.0)
+    write_tns(t, tmp_path / "t.tns")
+    monkeypatch.setattr(cluster, "map_piece", _map_always_dying)
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as c:
+        assert dynmo_main(["tensor", "features", str(tmp_path / "t.tns"), "--dask", c.scheduler_address]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--dask" in err[0] and "KilledWorker" in err[0], err
