@@ -12,17 +12,17 @@ replica sends its tokens to their experts' ranks and gets the outputs back (all-
 rank computes only the real tokens of the experts it holds, no padding. A MoE layer therefore
 takes, per microbatch,
 
-    non-expert part  +  expert part x (busiest EP rank's rows / the traced padded rows)  +  all-to-all
+    non-expert part  +  expert part x (busiest EP rank's rows / the traced computed rows)  +  all-to-all
 
 and its EP group runs in lockstep; the groups run apart and the step ends with the slowest one
 (the replay simulates each group's iteration with the event-driven engine and takes the max).
 
 The split of a traced MoE layer's cost. A trace records, per step and MoE layer, the tokens
-routed to each expert (`moe_tokens_per_expert`) and the rows the padded expert matmul computed
-(`moe_expert_rows`: N experts x the busiest expert's load, summed over the step's `moe_forwards`
-microbatches). The one-device run pads every expert to the busiest, so its expert part is
-proportional to those rows. `fit_split` fits, over every MoE layer and step but the warm-up
-step 0, cost per microbatch (forward + backward) = a + b x padded rows per microbatch by least
+routed to each expert (`moe_tokens_per_expert`) and the rows its expert matmuls computed
+(`moe_expert_rows`, summed over the step's `moe_forwards` microbatches: the routed rows with the
+grouped dispatch, the default; N experts x the busiest expert's load with the padded one, which
+the committed traces used). The one-device run's expert part is proportional to those rows. `fit_split` fits, over every MoE layer and step but the warm-up
+step 0, cost per microbatch (forward + backward) = a + b x computed rows per microbatch by least
 squares: a is the non-expert part (attention, norms, router), b the cost of one expert row. A
 layer's measured cost at a step is then split in the proportion b x rows : a of that step's rows,
 so its noise stays with both parts. Where the fit is unusable (a < 0, b <= 0, under 3 points or
@@ -199,13 +199,13 @@ def expert_params(m: ModelConfig) -> float:
 
 
 def _rows_per_mb(st: dict, i: int) -> tuple[float, float]:
-    """(padded expert rows, useful rows) per microbatch of layer i at a step."""
+    """(computed expert rows, useful rows) per microbatch of layer i at a step."""
     fw = max(float(st["moe_forwards"][i]), 1.0)
     return float(st["moe_expert_rows"][i]) / fw, float(st["moe_useful_rows"][i]) / fw
 
 
 def fit_split(trace: Trace, layers: list[int]) -> dict:
-    """Least squares of a MoE layer's cost per microbatch on its padded rows per microbatch (module doc)."""
+    """Least squares of a MoE layer's cost per microbatch on its computed rows per microbatch (module doc)."""
     costs = trace.fwd() + trace.bwd()
     x, y = [], []
     for k, s in enumerate(trace.steps):
@@ -285,7 +285,7 @@ class _Model:
         steps = len(trace.steps)
         L = len(self.layers)
         self.share = np.zeros((steps, L))  # expert share of each MoE layer's traced cost
-        self.padded = np.zeros((steps, L))  # traced padded rows per microbatch
+        self.padded = np.zeros((steps, L))  # traced computed expert rows per microbatch (padded or routed)
         self.loads = np.zeros((steps, L, dp, self.n))  # per replica, one microbatch's assignments per expert
         for k, s in enumerate(trace.steps):
             st = s.stats
