@@ -119,6 +119,8 @@ def test_a_task_that_kills_every_worker_is_one_line(tmp_path, monkeypatch, capsy
     write_tns(t, tmp_path / "t.tns")
     monkeypatch.setattr(cluster, "map_piece", _map_always_dying)
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as c:
-        assert dynmo_main(["tensor", "features", str(tmp_path / "t.tns"), "--dask", c.scheduler_address]) == 2
+        assert dynmo_main(["tensor", "features", str(tmp_path / "t.tns"), "--dask", c.scheduler_address,
+                           "--json", str(tmp_path / "f.json")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--dask" in err[0] and "KilledWorker" in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.tns"]  # nothing half-written
