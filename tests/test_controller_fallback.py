@@ -51,6 +51,21 @@ def test_a_modest_lasting_gain_passes_once_enough_steps_carry_it():
     assert all(k is not None and 10 + SHORT <= k <= 10 + 4 * SHORT for k in firsts)
 
 
+def test_the_lengths_scanned_and_their_shares_of_alpha():
+    """Every short run up to 2 short - 1 steps at the share it has among every length, the longer
+    ones on a doubling grid at larger shares, all of them summing to at most 1 (Bonferroni)."""
+    for short in range(1, 8):
+        for total in range(short, 64):
+            n, a = fallback.scanned(short, total), fallback.shares(short, total)
+            assert n[0] == short and n[-1] <= total and list(n) == sorted(set(n.tolist()))
+            assert set(range(short, min(2 * short, total + 1))) <= set(n.tolist())
+            grid = [k // short for k in n if k >= 2 * short]
+            assert all(k % short == 0 for k in n if k >= 2 * short) and grid == [2 ** j for j in range(1, len(grid) + 1)]
+            assert a.sum() <= 1 + 1e-12 and len(a) == len(n)
+            each = 1 / (total - short + 1)
+            assert np.allclose(a[n < 2 * short], each) and np.all(a[n >= 2 * short] >= each - 1e-12)
+
+
 @pytest.mark.parametrize("mean,most", [(0.0, 0.0), (MARGIN, 0.15)])
 def test_noise_alone_passes_within_the_budget(mean, most):
     """Three fallbacks, 200 steps, gains of spread 3 %: never where they are no faster than the

@@ -56,16 +56,24 @@ is a cost of selection: the window's optimum was chosen because it looked best o
 steps. The start layout and the static layouts known before step 0 (uniform, params, flops)
 were chosen before any cost was seen, so every step each of them is tested against the current
 layout by a paired test on the observed steps' own costs (per-step savings, a one-sided test
-of their trimmed mean against the margin on the last n steps for some n from window + 1 on,
-Bonferroni over the lengths scanned and the fallbacks, the noise the larger of the run's spread
-and the steps' before it, or right after a migration a 20 times stricter level; each of the
-last window + 1 steps above the margin), and a fallback that passes is moved to at once, no
+of their trimmed mean against the margin on the last n steps for some n from window + 1 on
+(every n up to twice that, then a doubling grid), a weighted Bonferroni over the lengths
+scanned and the fallbacks, the noise the larger of the run's spread and the steps' before it,
+or right after a migration a 20 times stricter level; each of the last window + 1 steps above
+the margin), and a fallback that passes is moved to at once, no
 confirming steps, its saving repaying the migration; two steps on which the current layout ran
 4/3 times as long as a fallback (`fallback.FAR_GAIN`) are enough. The controller then searches
 from there as usual. So a layout the controller's own earlier move chose is left within a few
 steps once the costs move again and a fixed layout is clearly faster, where the window's
 optimum may keep failing its evidence. Its false-alarm rate and the measurements are in
 `dynmo.controller.fallback`.
+A moving target (`persistence`). A fallback that leaves a layout a rebalance chose, after that
+layout ran longer than the fallback over its steps, records the move as outpaced, with the time
+it lost on its slower steps. While the run has been outpaced within the horizon, a move to a
+layout not fixed before step 0 must repay the way back (that loss, or two steps of the
+candidate's excess on the costs before its pattern, the larger) by its saving per step times
+its pattern's age (the steps it has been faster: the pattern's median remaining life), so a run
+whose costs move every few steps stops chasing them and stays on its fallback.
 Replayed figures and the trade-off between reaction time and false moves are in the
 records docs/controller.md links (docs/bench/controller-*.md).
 
@@ -99,7 +107,7 @@ The decision, step by step (`Controller.decide`), each step in its own module:
 The step-time model (`steptime`), how the controller scores layouts with it on the forecast
 and on each observed step (`scoring`), and the migration cost model (`migration`) are what
 every step compares with. The `Controller` (`core`) keeps the state and runs the steps; its
-mixins hold them: the proposals (`rebalancing`), the fallbacks (`fallback`), the re-pack and
+mixins hold them: the proposals (`rebalancing`; a moving target: `persistence`), the fallbacks (`fallback`), the re-pack and
 the grow (`packing`), and `auto`'s defences that span steps, large changes and the migration
 judge (`safeguards`).
 """

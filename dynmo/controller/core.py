@@ -90,6 +90,9 @@ class Controller(Rebalancing, Fallbacks, Packing, Safeguards, Scoring):
     fallback: bool = True
     # the layout of the first decision (a resumed run's: the one it resumed on): a fallback
     start: Layout | None = None
+    via: str = ""  # the reason of the decision that chose the current layout ("": the start)
+    # auto: (step, seconds) of each move a fallback undid after it ran slower (`persistence`)
+    outpaced: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.cfg.window < 1:

@@ -13,8 +13,8 @@ The test (`faster`). Each observed step k gives the relative saving g_k of fallb
 current layout under that step's own costs (both simulated, as the evidence's gains), on the
 steps since the evidence last started afresh (a migration, a large change; up to
 EVIDENCE_STEPS). The costs may have moved n steps ago for any n, so the test scans the last n
-steps ("the run") for every n from s = window + 1 (`short_steps`) to all of them. f is faster
-when for some n
+steps ("the run") for n from s = window + 1 (`short_steps`): every n up to 2s - 1, then a
+doubling grid, 2s, 4s ... up to all of them (`scanned`). f is faster when for some n
 
     mean_t(run) - t(1 - a, h - 1) x spread x sqrt((n - 1) / (h (h - 1))) >= margin
 
@@ -30,14 +30,20 @@ run cannot claim less noise than the steps before it showed. Where fewer came be
 after a migration) there is nothing to compare with, and the run's test is held to a level
 EVIDENCE_STEPS times stricter. And each of the last s steps' savings must clear the margin,
 whatever the run: the fallback is faster now, not in a regime that has ended (the trimmed mean
-of a long run can still hold the old one). a is alpha over the number of lengths scanned
-(Bonferroni: the change point is searched, so the search is paid for), alpha = (1 -
+of a long run can still hold the old one). a is alpha times the length's share (`shares`, a
+weighted Bonferroni: the change point is searched, so the search is paid for, and the shares
+sum to at most 1). Each short run, up to 2s - 1 steps, keeps the share it would have among
+every length from s to all of them (1/17 with 20 steps): there a step of misalignment with the
+change swamps the run, and the noise injector's slow phases last about as long. The longer runs
+share the rest on the doubling grid: runs of neighbouring lengths share most of their steps and
+say almost the same, and paying for each of them held a return under a committed dense
+trace's noise (savings spreading about 6 % per step) a step or two longer. alpha = (1 -
 confidence_now) / the number of fallbacks (`level`; `confidence_now` as the window's evidence:
 lowered for each block of EVIDENCE_STEPS steps since the evidence last started afresh). A
 lasting change far above the noise passes on the shortest run, s = 4 steps after it by
 default, where the window's optimum waits for window + confirm (5) and must then be confirmed;
-a modest lasting saving passes once enough steps carry it (5 % on a 2 % spread: within 16
-steps).
+a modest lasting saving passes once enough steps carry it (5 % on a 2 % spread: within 13
+steps, where paying for every length took up to 14).
 
 A far larger change moves after two steps (`far_faster`): the fallback saved FAR_GAIN (a
 quarter) or more of the current layout's step time on each of the last two steps (the current
@@ -61,7 +67,8 @@ overlapping steps count as one, so a run of K blocks errs at most (1 - confidenc
 more rarely where it is slower than the current layout, the usual case. Measured
 (tests/test_controller_fallback.py, docs/controller.md), 200 runs of 200 steps with three
 fallbacks whose savings are normal with a 3 % spread: at mean 0 no run passed; at mean = the
-margin, 1.5 % of the runs; a 3-step transient of 5 times the spread on mean-0 savings, none;
+margin, 4 % of the runs (1.5 % paying for every length); a 3-step transient of 5 times the
+spread on mean-0 savings, none;
 `configs/noisy.toml` on its injected costs, with a fallback within 0.3 % of its layout, no
 migration in 48 seeds x 200 steps.
 
@@ -80,7 +87,7 @@ from statistics import fmean
 import numpy as np
 
 from dynmo.balance import Problem
-from dynmo.controller import candidates, evidence
+from dynmo.controller import candidates, evidence, persistence
 from dynmo.controller.decision import Decision
 from dynmo.layout import Layout
 
@@ -111,18 +118,36 @@ def far_faster(gains: list[float]) -> bool:
     return len(gains) >= 2 and min(gains[-2:]) >= FAR_GAIN
 
 
+def scanned(short: int, total: int) -> np.ndarray:
+    """The run lengths `faster` tests: every one from `short` to 2 `short` - 1, then a doubling
+    grid, 2 `short`, 4 `short` ... up to `total`."""
+    grid = short * 2 ** np.arange(1, int(math.log2(total / short)) + 1) if total >= 2 * short else []
+    return np.concatenate([np.arange(short, min(2 * short, total + 1)), grid]).astype(int)
+
+
+def shares(short: int, total: int) -> np.ndarray:
+    """Each scanned length's share of alpha, summing to at most 1 (a weighted Bonferroni): the
+    short runs each keep the share they would have among every length from `short` to `total`,
+    the grid's longer runs share the rest."""
+    n = scanned(short, total)
+    each = 1.0 / (total - short + 1)
+    near = n < 2 * short
+    rest = (1.0 - each * near.sum()) / max(1, (~near).sum())
+    return np.where(near, each, rest)
+
+
 def faster(gains: list[float], short: int, margin: float, alpha: float) -> bool:
     """The fallback's per-step gains (oldest first) show it faster than the current layout by
-    more than the margin beyond what the noise explains, over the last n steps for some n from
-    `short` on: each length's test (Yuen's trimmed mean, as `evidence.trimmed`) at alpha over
-    the lengths tried, its spread the larger of the run's own (winsorized) and that of the steps
+    more than the margin beyond what the noise explains, over the last n steps for some n of
+    `scanned`: each length's test (Yuen's trimmed mean, as `evidence.trimmed`) at its share of
+    alpha (`shares`), its spread the larger of the run's own (winsorized) and that of the steps
     before it when `short` or more came before, else at alpha / EVIDENCE_STEPS more (a run with
     nothing to compare its spread with); and each of the last `short` steps above the margin."""
     g = np.asarray(gains[::-1], dtype=float)  # newest first: g[:n] is the last n steps
     total = len(g)
     if total < short or g[:short].min() <= margin:  # faster now, not in a regime that has ended
         return False
-    n = np.arange(short, total + 1)  # the lengths scanned
+    n = scanned(short, total)
     cols = np.arange(total)
     inside = cols[None, :] < n[:, None]
     x = np.sort(np.where(inside, g[None, :], np.inf), axis=1)  # each run sorted, padded after it
@@ -143,7 +168,7 @@ def faster(gains: list[float], short: int, margin: float, alpha: float) -> bool:
     before = np.sqrt(np.maximum(s2[m] - s1[m] ** 2 / mm, 0.0) / (mm - 1))
     spread = np.where(referenced, np.maximum(spread, before), spread)
     se = spread * np.sqrt((n - 1) / (h * (h - 1)))
-    a = np.where(referenced, alpha, alpha / evidence.EVIDENCE_STEPS) / len(n)
+    a = np.where(referenced, alpha, alpha / evidence.EVIDENCE_STEPS) * shares(short, total)
     t = np.asarray([_t_quantile(1 - float(ak), int(k) - 1) for ak, k in zip(a, h)])
     return bool(((mean > margin) & (mean - t * se >= margin)).any())
 
@@ -192,4 +217,8 @@ class Fallbacks:
         if best is None:
             return None
         lay, t_now, t_new = best
+        if self.via == "rebalance":  # a move the controller chose, undone: was it outpaced?
+            loss = persistence.return_loss(now, times[options.index(lay)])
+            if loss > 0:
+                self.outpaced.append((step, loss))
         return self._rebalanced(step, problem, current, lay, t_now, t_new, horizon, layer_bytes, reason="fallback")

@@ -15,7 +15,7 @@ from __future__ import annotations
 from statistics import median
 
 from dynmo.balance import BalanceError, Problem
-from dynmo.controller import candidates, evidence
+from dynmo.controller import candidates, evidence, persistence
 from dynmo.controller.decision import Decision
 from dynmo.layout import Layout
 from dynmo.plan import named_layout
@@ -65,6 +65,9 @@ class Rebalancing:
                 margin *= 2  # going back to a layout left within the horizon needs twice the evidence
             if t_old - t_cand < margin * t_old or (t_old - t_cand) * horizon <= self.migration_cost(layer_bytes, current, cand):
                 continue
+            if c.when == "auto" and not (cand is new and self._announced_window()) \
+                    and not self._outlasts(step, current, cand, t_old - t_cand, layer_bytes):
+                continue  # an announced change says what changed: its costs do not come back
             if c.when != "auto":
                 return self._rebalanced(step, problem, current, cand, t_old, t_cand, horizon, layer_bytes)
             if cand is new and self._announced_window() and evidence.announced(
@@ -85,6 +88,19 @@ class Rebalancing:
         if rejected:
             self.proposal = None
         return None
+
+    def _outlasts(self, step: int, current: Layout, cand: Layout, saving_s: float, layer_bytes: list[int]) -> bool:
+        """The move to `cand` repays the way back over the time its cost pattern is expected to
+        persist, once moves were outpaced within the horizon (`persistence`); a layout fixed
+        before step 0 carries no such risk."""
+        recent = [loss for at, loss in self.outpaced if step - at <= self.cfg.horizon]
+        if not recent or self.start == cand \
+                or cand in self.prior_layouts(self.problem(self.forecast(), cand.num_stages), cand.num_stages):
+            return True
+        old_t, new_t = self.history_times([current, cand])
+        steps = persistence.age(evidence.gains(old_t, new_t))
+        back = persistence.way_back(old_t[:len(old_t) - steps], new_t[:len(new_t) - steps], recent)
+        return persistence.persists(saving_s, steps, back, self.migration_cost(layer_bytes, current, cand))
 
     def prior_layouts(self, problem: Problem, stages: int) -> tuple[Layout, ...]:
         """uniform's layout and those of `priors` on `stages` stages, each within the memory cap."""

@@ -72,6 +72,7 @@ class Safeguards:
         """Remember what a decision left and what it predicted, to judge it once measured."""
         self.left[current.boundaries] = step
         self.judge.expect(current, d.layout, d.released > 0)
+        self.via = d.reason
         return d
 
     def _judge_last_migration(self, current: Layout, layer_bytes: list[int], steps_left: int) -> Decision | None:
@@ -86,6 +87,7 @@ class Safeguards:
         if chk.repack or chk.old.num_stages != current.num_stages:
             return None
         self.lost.add(current.boundaries)
+        self.via = "revert"
         cost = self.migration_cost(layer_bytes, current, chk.old)
         return Decision(chk.old, 0.0, 0.0, (v.t_new - v.t_old) * max(0, min(self.cfg.horizon, steps_left)), cost,
                         predicted_step_s=v.t_old, current_step_s=v.t_new, reason="revert")
