@@ -77,14 +77,18 @@ def agent(argv: list[str]) -> int:
     import shutil
     import tempfile
 
+    _short_socket_folder()
+    multiprocessing.forkserver.set_forkserver_preload(WORKER_PRELOAD)  # read when the server starts
+    # Start it now: it imports dynmo.train (and torch) while this process imports torchrun's
+    # agent (torch too), one launch's two imports side by side instead of one after the other.
+    multiprocessing.forkserver.ensure_running()
+
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     run_folder, rest = argv[0], argv[1:]
     held = _hold_torch_logs()
-    _short_socket_folder()
-    multiprocessing.forkserver.set_forkserver_preload(WORKER_PRELOAD)  # read when the server starts
     logs = tempfile.mkdtemp(prefix="dynmo-torchrun-")  # the workers' error files; removed at the end
     try:
         torchrun.run(torchrun.parse_args([f"--log-dir={logs}", *rest]))
