@@ -39,9 +39,8 @@ check() {  # check SECONDS GROUP CASES STAGINGS [gpu_check options]
   shift 4
   step "$limit" "check-$group" python3 benchmarks/gpu_check.py --out "$WORK/check-$group" --cases "$cases" \
     --stagings "$stagings" "$@" >"$WORK/check-$group.log" 2>&1
-  set -- "$limit" "$group"
-  tail -3 "$WORK/check-$2.log"
-  cp "$WORK/check-$2/report.md" "$OUT/check-$2.md" 2>/dev/null
+  tail -3 "$WORK/check-$group.log"
+  cp "$WORK/check-$group/report.md" "$OUT/check-$group.md" 2>/dev/null
   (cd "$WORK" && tar czf "$OUT/checks.tar.gz" check-*.log check-*/report.json 2>/dev/null)
 }
 

@@ -66,7 +66,7 @@ class Rebalancing:
             if t_old - t_cand < margin * t_old or (t_old - t_cand) * horizon <= self.migration_cost(layer_bytes, current, cand):
                 continue
             if c.when == "auto" and not (cand is new and self._announced_window()) \
-                    and not self._outlasts(step, current, cand, t_old - t_cand, layer_bytes):
+                    and not self._outlasts(step, problem, current, cand, t_old - t_cand, layer_bytes):
                 continue  # an announced change says what changed: its costs do not come back
             if c.when != "auto":
                 return self._rebalanced(step, problem, current, cand, t_old, t_cand, horizon, layer_bytes)
@@ -89,13 +89,13 @@ class Rebalancing:
             self.proposal = None
         return None
 
-    def _outlasts(self, step: int, current: Layout, cand: Layout, saving_s: float, layer_bytes: list[int]) -> bool:
+    def _outlasts(self, step: int, problem: Problem, current: Layout, cand: Layout, saving_s: float,
+                  layer_bytes: list[int]) -> bool:
         """The move to `cand` repays the way back over the time its cost pattern is expected to
         persist, once moves were outpaced within the horizon (`persistence`); a layout fixed
         before step 0 carries no such risk."""
         recent = [loss for at, loss in self.outpaced if step - at <= self.cfg.horizon]
-        if not recent or self.start == cand \
-                or cand in self.prior_layouts(self.problem(self.forecast(), cand.num_stages), cand.num_stages):
+        if not recent or self.start == cand or cand in self.prior_layouts(problem, current.num_stages):
             return True
         old_t, new_t = self.history_times([current, cand])
         steps = persistence.age(evidence.gains(old_t, new_t))
