@@ -54,10 +54,10 @@ def _run(cfg: Config, steps: int, dp: int):
         seen |= {id(p) for p in owned[name]}
     params = [p for ps in owned.values() for p in ps]
     tc = cfg.train
-    opt = torch.optim.AdamW(
+    opt = optim.adamw(
         [{"params": [p for p in params if p.dim() >= 2], "weight_decay": tc.weight_decay},
          {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-        lr=tc.lr, betas=(tc.beta1, tc.beta2), foreach=False,
+        tc, torch.device("cpu"),
     )
     n_mb, G = cfg.train.microbatches, cfg.train.global_batch
     losses = []
@@ -109,7 +109,7 @@ def _run(cfg: Config, steps: int, dp: int):
 
 def _sq_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
     """Squared L2 norm of the gradients, in parameter order."""
-    norms = [p.grad.detach().float().pow(2).sum() for p in params if p.grad is not None]
+    norms = [optim.grad_sq_norm(p.grad) for p in params if p.grad is not None]
     return torch.stack(norms).sum() if norms else torch.zeros((), dtype=torch.float32)
 
 
