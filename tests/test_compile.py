@@ -152,3 +152,41 @@ def test_hash_attention_on_cpu_compiles_with_the_tile_kernel():
     tokens = torch.randint(0, 128, (1, 512), generator=torch.Generator().manual_seed(3))
     for x, y in zip(loss_and_grads(ref, tokens), loss_and_grads(got, tokens)):
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family,unit", [("gpt", "block"), ("llama", "block"), ("gpt", "sublayer")])
+def test_early_exit_blocks_compile_whole_and_equal_eager(family, unit):
+    """Blocks that compute their active tokens only (early exit's gate on, tokens exiting): the
+    rows to gather are read before the compiled forward, so fullgraph holds; one graph per
+    distinct width (rounded to seq_len / WIDTH_BUCKETS), the same loss and gradients as eager."""
+    from dynmo.config import EarlyExitConfig
+    from dynmo.dynamics.earlyexit import install_gate
+    from dynmo.runtime.compiled import WIDTH_BUCKETS
+
+    cfg = tiny(family, "dense")
+    opts = EarlyExitConfig(threshold=0.5, aux_loss_coef=0.1)
+    mods = []
+    for compiled in (False, True):
+        module, layers = stage(cfg, unit, torch.float32)
+        for layer in layers:
+            if hasattr(layer, "width_buckets"):
+                can_exit = getattr(layer, "part", None) != "attn"
+                if can_exit:
+                    layer.exit_head = torch.nn.Linear(64, 1)
+                    torch.nn.init.normal_(layer.exit_head.weight, 0.0, 1.0, generator=torch.Generator().manual_seed(4))
+                    torch.nn.init.zeros_(layer.exit_head.bias)
+                install_gate(layer, opts, can_exit).exiting = True
+            if compiled:
+                compile_unit(layer, torch.float32, backend="eager")
+        mods.append(module)
+    widths = []
+    for layer in (m for m in mods[1].modules() if hasattr(m, "width_buckets")):
+        layer.register_forward_hook(lambda m, args, out: widths.append(m.active_width))
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(3):  # token sets that differ: several widths
+        tokens = torch.randint(0, 128, (2, 32), generator=gen)
+        a, b = loss_and_grads(mods[0], tokens), loss_and_grads(mods[1], tokens)
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-5)
+    assert any(w is not None and 0 < w < 32 for w in widths)  # tokens had exited: rows skipped
+    assert counters["stats"]["unique_graphs"] <= 2 + 3 * 2 * (WIDTH_BUCKETS + 1)

@@ -115,3 +115,48 @@ def test_resume_restores_the_exit_classifiers(tmp_path):
     assert [r["step"] for r in resumed] == [4, 5]
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in full[4:]], rel=1e-6)
     assert [r["exit_active_tokens"] for r in resumed] == [r["exit_active_tokens"] for r in full[4:]]
+
+
+class _DeviceReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops that read a device value back to the host (on a GPU, a synchronisation)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten._local_scalar_dense, torch.ops.aten.nonzero):
+            self.reads.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_a_gated_block_reads_the_device_once_a_forward_and_its_stats_are_the_counts(family):
+    """Forward and backward of an exiting block over two microbatches: one host read a forward
+    (how many rows to gather: the data's), none in the gate or the backward; the sums, read once
+    after, are the brute-force counts."""
+    torch.manual_seed(3)
+    cfg = ModelConfig(d_model=D, n_heads=2, seq_len=T, n_layers=2, family=family)
+    b = build_layer(LayerSpec("t", 1), cfg, seed=1)
+    b.exit_head = torch.nn.Linear(D, 1)
+    g = install_gate(b, EarlyExitConfig(threshold=0.5, aux_loss_coef=1.0), can_exit=True)
+    g.exiting = True
+    masks = [torch.rand(B, T) > 0.3 for _ in range(2)]
+    masks[1][0] = False  # a sequence with no active token
+    afters = []
+    with _DeviceReads() as spy:
+        for mask in masks:
+            x = torch.randn(B, T, D, requires_grad=True)
+            out, after = b(x, mask)
+            out.square().sum().backward()
+            afters.append(after)
+    assert len(spy.reads) == len(masks), spy.reads
+    want = {"active_tokens": 0, "rows": 0, "tokens": 0}
+    for mask, after in zip(masks, afters):
+        assert not (after & ~mask).any()  # a token never comes back
+        want["active_tokens"] += int(mask.sum())
+        want["rows"] += B * int(mask.sum(1).max())
+        want["tokens"] += int((mask & ~after).sum())
+    s = g.summary()
+    assert {k: s[k] for k in want} == want
+    assert s["rate"] == pytest.approx(want["tokens"] / want["active_tokens"])

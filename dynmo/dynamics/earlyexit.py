@@ -17,13 +17,17 @@ the active tokens is carried into the backward pass by `attach_aux_loss` (coeffi
 classifier trains from step 0; tokens exit from `early_exit.start_step` on.
 
 Compute only on active tokens: the case turns on `skip_inactive` in every block (the dense
-block of the gpt or the llama family, `Block.active_forward`), which then computes the active tokens only, with exited tokens still
-serving as keys and values with their frozen hidden state (CALM's state propagation), so an
+block of the gpt or the llama family, `dynmo.model.gpt.SkipsInactive`), which then computes the
+active tokens only, with exited tokens still serving as keys and values with their frozen hidden state (CALM's state propagation), so an
 active token's output is exactly what the dense block would give it. The exit decision is an
 `ExitGate`, a forward hook on the block that runs the classifier on the block's output and
 updates the mask. The classifier is a submodule of the block (`block.exit_head`), so it trains,
 migrates and is checkpointed with it; a block that arrives by migration gets an empty one
 before its weights load (`prepare_layer`).
+
+One host read a block forward: how many rows to gather (the data's; read before the block's
+forward, so a compiled block keeps one graph per width). The gate's counts, confidences and
+the classifier's loss stay on the device; the metrics read them once per step.
 
 Shapes crossing stage boundaries stay fixed: the hidden state keeps [batch, seq, d_model] and
 the bool mask of active tokens travels with it.
@@ -51,7 +55,7 @@ import torch.nn.functional as F
 from dynmo.config import ConfigError, EarlyExitConfig
 from dynmo.dynamics.case import Case
 from dynmo.model.aux_loss import attach_aux_loss
-from dynmo.model.stats import StepStats
+from dynmo.model.stats import StepStats, as_numbers
 
 
 def check_options(e: EarlyExitConfig, cfg) -> None:
@@ -91,26 +95,30 @@ class ExitGate:
         self.stats = StepStats()
 
     def __call__(self, block: nn.Module, args: tuple, output: tuple) -> tuple[torch.Tensor, ...]:
+        # Everything here stays on the device (counts, confidences, the classifier's loss over
+        # the active tokens as a masked mean): the metrics read the sums once per step.
         x, mask = args[0], args[1]
         out = output[0]
         B, T, D = x.shape
-        n_active = int(mask.sum())
-        rows = B * int(mask.sum(1).max())  # rows the block computed, padding included
+        n_active = mask.sum()
+        width = block.active_width  # what the block gathered: None, every token
+        rows = B * (T if width is None else width)  # rows the block computed, padding included
         exited, conf_sum = 0, 0.0
-        if self.can_exit and n_active:
+        if self.can_exit:
             active_in = mask
             logit = block.exit_head(F.layer_norm(out.detach(), (D,))).squeeze(-1)  # [B, T]
             with torch.no_grad():
                 conf = torch.sigmoid(logit)
                 block_input = args[2] if len(args) > 2 else x  # a split block's MLP half is handed it
                 label = (F.cosine_similarity(out, block_input, dim=-1) >= self.opts.saturation).to(logit.dtype)
-                conf_sum = float(conf[active_in].sum())
+                conf_sum = torch.where(active_in, conf, 0).sum()
                 if self.exiting:
                     leave = active_in & (conf >= self.opts.threshold)
-                    exited = int(leave.sum())
+                    exited = leave.sum()
                     mask = active_in & ~leave
             bce = F.binary_cross_entropy_with_logits(logit, label, reduction="none")
-            aux = bce.masked_select(active_in).mean()  # tokens that were active at this block
+            # the mean over the tokens that were active at this block (none: 0, no gradient)
+            aux = torch.where(active_in, bce, 0).sum() / n_active.clamp(min=1)
             out = attach_aux_loss(out, aux, self.opts.aux_loss_coef)
         self.stats.add(active_tokens=n_active, rows=rows, exited=exited, conf_sum=conf_sum)
         if self.hands_input:
@@ -122,10 +130,12 @@ class ExitGate:
             self.handle.remove()
             self.handle = None
 
-    def summary(self) -> dict[str, float]:
-        s = self.stats.sums
+    def summary(self, s: dict[str, float] | None = None) -> dict[str, float]:
+        """The step's metrics from `s`, this gate's sums read as numbers (read here if not given)."""
         if not self.stats.forwards:
             return {}
+        if s is None:
+            (s,) = as_numbers([self.stats.sums])
         out = {"active_tokens": s["active_tokens"], "rows": s["rows"]}
         if self.can_exit:
             out["tokens"] = s["exited"]
@@ -187,8 +197,10 @@ class EarlyExit(Case):
 
     def layer_stats(self) -> dict[str, dict[int, Any]]:
         out: dict[str, dict[int, Any]] = {}
-        for i in self.host.blocks():
-            for k, v in self.gates[i].summary().items():
+        gates = {i: self.gates[i] for i in self.host.blocks()}
+        sums = as_numbers([gate.stats.sums for gate in gates.values()])  # one read for all of them
+        for (i, gate), s in zip(gates.items(), sums):
+            for k, v in gate.summary(s).items():
                 out.setdefault(f"exit_{k}", {})[i] = v
         return out
 

@@ -126,19 +126,44 @@ class SkipsInactive(Halves, nn.Module):
     bit. Off (the default), the block never looks at the mask, which costs a dense model
     nothing."""
 
-    skip_inactive = False
+    # 0: gather exactly the rows needed; K: round them up to a multiple of seq_len / K, so a
+    # compiled block sees at most K + 1 widths (`dynmo.runtime.compiled` sets it)
+    width_buckets = 0
+    active_width: int | None = None  # this forward's rows per sequence; None: every token
+    _width_hook = None
 
-    def _skipping(self, mask: torch.Tensor) -> bool:
-        return self.skip_inactive and not bool(mask.all())
+    @property
+    def skip_inactive(self) -> bool:
+        return self._width_hook is not None
+
+    @skip_inactive.setter
+    def skip_inactive(self, on: bool) -> None:
+        if on and self._width_hook is None:
+            self._width_hook = self.register_forward_pre_hook(SkipsInactive._read_width)
+        elif not on and self._width_hook is not None:
+            self._width_hook.remove()
+            self._width_hook, self.active_width = None, None
+
+    def _read_width(self, args: tuple) -> None:
+        """Before each forward (a pre-hook, so outside a compiled forward): how many rows per
+        sequence it gathers, `active_width`: None with no inactive token, else the most active
+        sequence's count (rounded up per `width_buckets`). The one host read of a skipping
+        block's forward (the shape is the data's), one scalar; a compiled forward sees a Python
+        int, one graph per distinct width."""
+        mask = args[1]
+        T = mask.shape[1]
+        w = int(torch.where(mask.all(), T + 1, mask.sum(1).max()))
+        step = -(-T // self.width_buckets) if self.width_buckets else 1
+        self.active_width = None if w > T else min(T, -(-w // step) * step)
 
     def attn_half(self, x: torch.Tensor, mask: torch.Tensor):
-        if self._skipping(mask):
-            return on_active_rows(x, mask, lambda sel, idx: sel + self.attn_rows(x, idx)), mask
+        if self.active_width is not None:
+            return on_active_rows(x, mask, lambda sel, idx: sel + self.attn_rows(x, idx), self.active_width), mask
         return x + self.attn_branch(x), mask
 
     def mlp_half(self, x: torch.Tensor, mask: torch.Tensor):
-        if self._skipping(mask):
-            return on_active_rows(x, mask, lambda sel, idx: sel + self.mlp_branch(sel)), mask
+        if self.active_width is not None:
+            return on_active_rows(x, mask, lambda sel, idx: sel + self.mlp_branch(sel), self.active_width), mask
         return x + self.mlp_branch(x), mask
 
 
@@ -156,7 +181,6 @@ class Block(SkipsInactive):
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg)
-        self.skip_inactive = False
 
     def attn_branch(self, x: torch.Tensor) -> torch.Tensor:
         return self.attn(self.ln1(x))
@@ -187,14 +211,15 @@ def causal_rows(idx: torch.Tensor, T: int) -> torch.Tensor:
     return (pos.view(1, 1, T) <= idx.unsqueeze(-1)).unsqueeze(1)
 
 
-def on_active_rows(x: torch.Tensor, mask: torch.Tensor, update) -> torch.Tensor:
+def on_active_rows(x: torch.Tensor, mask: torch.Tensor, update, width: int | None = None) -> torch.Tensor:
     """x with `update(sel, idx)` applied to its active rows only, for any family's block.
 
-    `idx` [B, A] are the active positions per sequence (`active_rows`), `sel` [B, A, D] their
-    hidden states; padding rows keep their input and inactive tokens are copied, so they pass
-    bit for bit (with no active token, a copy: never an alias of the input)."""
+    `idx` [B, A] are the active positions per sequence (`active_rows`, A = `width` where the
+    caller read it), `sel` [B, A, D] their hidden states; padding rows keep their input and
+    inactive tokens are copied, so they pass bit for bit (with no active token, a copy: never
+    an alias of the input)."""
     D = x.shape[-1]
-    idx, valid = active_rows(mask)
+    idx, valid = active_rows(mask, width)
     if idx.shape[1] == 0:
         return x.clone()
     g = idx.unsqueeze(-1).expand(-1, -1, D)

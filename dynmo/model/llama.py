@@ -173,7 +173,6 @@ class Block(SkipsInactive):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
-        self.skip_inactive = False
 
     def attn_branch(self, x: torch.Tensor) -> torch.Tensor:
         return self.self_attn(self.input_layernorm(x))

@@ -17,6 +17,10 @@ parameters and state dict, so checkpoints, migrations and optimizer state see no
   compiled here) reuses it instead of compiling again (`tests/test_compile.py` counts).
 - The compile cache of one class holds one entry per distinct setting (a Mixture-of-Depths
   capacity, a frozen block's `requires_grad`), so its limit is raised to `CACHE_LIMIT`.
+- A block that computes only its active tokens (early exit) reads how many rows to gather
+  in a forward pre-hook, outside the graph, rounded up to a multiple of seq_len /
+  `WIDTH_BUCKETS`: the graph sees a Python int and compiles once per width, at most
+  `WIDTH_BUCKETS` + 1 of them.
 - The grouped expert matmul's capability probe (`dynmo.model.grouped`) runs eagerly before the
   first compiled call, since a probe cannot run inside a graph.
 """
@@ -27,6 +31,7 @@ import torch
 import torch.nn as nn
 
 CACHE_LIMIT = 64
+WIDTH_BUCKETS = 16
 
 
 def _raise_cache_limit() -> None:
@@ -49,6 +54,8 @@ def compile_unit(unit: nn.Module, dtype: torch.dtype, backend: str = "inductor")
         probe = getattr(m, "probe_grouped", None)
         if probe is not None:
             probe(dtype)
+    if hasattr(unit, "width_buckets"):  # a block that can skip inactive tokens (early exit)
+        unit.width_buckets = WIDTH_BUCKETS
     expert_parallel = any(getattr(m, "ep", None) is not None for m in unit.modules())
     unit.forward = torch.compile(unit.forward, fullgraph=not expert_parallel, dynamic=False, backend=backend)
     return unit
@@ -57,4 +64,5 @@ def compile_unit(unit: nn.Module, dtype: torch.dtype, backend: str = "inductor")
 def eager(unit: nn.Module) -> nn.Module:
     """Undo `compile_unit` (the unit's class forward again)."""
     vars(unit).pop("forward", None)
+    vars(unit).pop("width_buckets", None)
     return unit
