@@ -7,6 +7,7 @@ one thread"; "MoE expert dispatch: grouped against padded and dense", from
 
     python benchmarks/bench_dynamic_blocks.py [--repeats 7] [--d-model 256] [--seq-len 128] [--batch 4]
         [--cases moe,mod,hashattn] [--clock cpu|wall] [--device cpu|cuda] [--dtype fp32|bf16]
+    python benchmarks/bench_dynamic_blocks.py --model [--steps 12] [--pairs 3]
 
 Per case the routing / capacity / hashing is varied on purpose, and each row prints the block's
 own counted work (from `block.last_stats`) next to its measured forward + backward time
@@ -22,6 +23,13 @@ correlation, so "the layer's time follows its counted work" is a measured claim:
   mod       rows (batch x chosen tokens) vs block time, per capacity; the dense block for scale;
   hashattn  computed tiles / causal tiles vs attention time, per number of LSH buckets; dense
             causal attention (SDPA) for scale.
+
+Model mode (`--model`): whole models, `dynmo train --nproc 1` at d_model 512, 8 heads, 256
+tokens, 2 layers, global batch 8 in 2 microbatches, static layout, OMP_NUM_THREADS=1 (set it
+to change): configs/moe.toml against its dense blocks of the same active FLOPs (`mlp_ratio`
+8 = 4 x top-2), and configs/mixtral.toml (intermediate 1376) against configs/llama.toml of
+twice its intermediate size, alternating run by run (`paired_runs.py`); tokens/s per run,
+the ratio per pair and its median.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from dynmo.model.gpt import Block
 from dynmo.model.layers import LayerSpec, build_layer
 from dynmo.model.moe import MoEBlock
 from dynmo.model.stats import as_numbers
+from paired_runs import paired_table
 
 
 def _cuda_now() -> float:
@@ -182,6 +191,21 @@ def bench_hashattn(args) -> None:
     print(f"  {fit([i['blocks_computed'] for i in infos], secs)}  (work = computed tiles)")
 
 
+MODEL_SIZE = ["--model.d_model", "512", "--model.n_heads", "8", "--model.seq_len", "256", "--model.n_layers", "2",
+              "--train.global_batch", "8", "--train.microbatches", "2", "--balance.when", "never"]
+
+
+def model_tables(args) -> None:
+    """MoE and Mixtral whole models against the dense models of the same active FLOPs."""
+    paired_table(("moe", "configs/moe.toml", MODEL_SIZE),
+                 ("dense", "configs/moe.toml", [*MODEL_SIZE, "--model.block", "dense", "--model.mlp_ratio", "8"]),
+                 args.steps, args.pairs)
+    paired_table(("mixtral", "configs/mixtral.toml", [*MODEL_SIZE, "--model.intermediate_size", "1376"]),
+                 ("llama", "configs/llama.toml",
+                  [*MODEL_SIZE, "--model.n_kv_heads", "2", "--model.intermediate_size", "2752"]),
+                 args.steps, args.pairs)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=7)
@@ -196,7 +220,14 @@ def main() -> None:
                          "with --device cuda always elapsed after a device synchronize")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16: autocast, as train.dtype bf16")
+    ap.add_argument("--model", action="store_true",
+                    help="whole models: MoE and Mixtral trained against dense models of the same active FLOPs")
+    ap.add_argument("--steps", type=int, default=12, help="--model: training steps per run")
+    ap.add_argument("--pairs", type=int, default=3, help="--model: alternating pairs")
     args = ap.parse_args()
+    if args.model:
+        model_tables(args)
+        return
     global clock, DEVICE, DTYPE
     DEVICE = torch.device(args.device)
     DTYPE = torch.bfloat16 if args.dtype == "bf16" else None

@@ -32,21 +32,16 @@ mean tokens/s (steps 1 on, from summary.json), the first and last loss, and the 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from dynmo.model.hashattn import hash_sparse_attention, lsh_buckets
+from paired_runs import paired_table
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cuda_now() -> float:
@@ -159,33 +154,9 @@ def flex_table(args) -> None:
                   f"{statistics.median(r_fx):.3f} |", flush=True)
 
 
-def train_run(config: str, extra: list[str], steps: int, out: Path) -> dict:
-    cmd = ["dynmo", "train", "--nproc", "1", "--config", config, "--steps", str(steps), "--out", str(out),
-           "--log.tensorboard", "false", "--log.progress", "false", *extra]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
-    summary = json.loads((out / "summary.json").read_text())
-    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {"tokens_per_s": summary["mean_tokens_per_s"], "first_loss": losses[0], "last_loss": losses[-1]}
-
-
 def model_table(args) -> None:
     config = "configs/hashattn-long.toml"
-    print(f"dynmo train --nproc 1 --config {config} --steps {args.steps}, OMP_NUM_THREADS="
-          f"{os.environ.get('OMP_NUM_THREADS', '1')}, {args.pairs} alternating pairs")
-    print("| pair | model | tokens/s | loss first → last |")
-    print("| --- | --- | --- | --- |")
-    ratios = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.pairs):
-            runs = {}
-            for name, extra in (("hashattn", []), ("dense", ["--model.block", "dense"])):
-                r = runs[name] = train_run(config, extra, args.steps, Path(tmp) / f"{name}-{i}")
-                print(f"| {i} | {name} | {r['tokens_per_s']:.0f} | {r['first_loss']:.3f} → {r['last_loss']:.3f} |",
-                      flush=True)
-            ratios.append(runs["hashattn"]["tokens_per_s"] / runs["dense"]["tokens_per_s"])
-    print(f"\nhashattn / dense tokens/s per pair: {', '.join(f'{r:.2f}' for r in ratios)}; "
-          f"median {statistics.median(ratios):.2f}")
+    paired_table(("hashattn", config, []), ("dense", config, ["--model.block", "dense"]), args.steps, args.pairs)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,9 @@
 # checks.tar.gz (every group's report.json and console log). The run folders stay in WORK
 # (default /tmp/gpu-session).
 # GROUPS (default all but the compiled ones): comma-separated from core, shrink, long, blocks,
-# hashattn, staged, compiled, long-compiled (the last two: gpu_check --compile).
+# hashattn, staged, compiled, long-compiled (the last two: gpu_check --compile), compile-check
+# (compile_check.py, inductor: every block kind compiled through the launcher against eager,
+# compile-check.md).
 # Each step has a time limit of its own, so a slow one cannot take the others' time.
 set -u
 OUT=${1:?usage: bash benchmarks/gpu_session.sh OUT [GROUPS]}
@@ -60,6 +62,10 @@ for g in ${WANT//,/ }; do
     staged) check 120 staged gpt-moe,gpt-hashattn,gpt-mod 2stage ;;
     compiled) check 170 compiled gpt-dense,gpt-mod,gpt-moe 1stage --compile ;;
     long-compiled) check 120 long-compiled gpt-hashattn-8k,gpt-dense-8k 1stage --compile ;;
+    compile-check)
+      step 240 compile-check python3 benchmarks/compile_check.py --backend inductor --steps 4 \
+        >"$OUT/compile-check.md" 2>&1
+      cat "$OUT/compile-check.md" ;;
     *) echo "unknown group $g" >&2; exit 2 ;;
   esac
 done
