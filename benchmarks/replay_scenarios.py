@@ -3,7 +3,7 @@
 Produces the tables in docs/bench/controller-scenarios.md (linked from docs/controller.md).
 
     python benchmarks/replay_scenarios.py [--count 200] [--first 0] [--cases dense-60,dense-80,dense-120,dense-150]
-        [--shapes 24x30,16x8] [--compare] [--jobs 2] [--json out.json]
+        [--shapes 24x30,16x8] [--compare] [--jobs 2] [--json out.json] [--jsonl resumable.jsonl]
     python benchmarks/replay_scenarios.py --committed [--compare]     # the committed traces as they are
 
 The committed traces hold the dynamics the shipped cases produce; dynmo's promise (never slower
@@ -163,6 +163,19 @@ def committed(folder: Path, variants: tuple[str, ...], workers: int) -> int:
     return 0
 
 
+def kept_results(path: Path, variants: tuple[str, ...]) -> dict[tuple, dict]:
+    """The scenarios `--jsonl` already holds, by (seed, trace, shape), those with every variant asked."""
+    if not path.exists():
+        return {}
+    out = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            if all(f"{v} {s}" in r["runs"] for v in variants for s in STARTS):
+                out[(r["seed"], r["trace"], r["shape"])] = r
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--count", type=int, default=200)
@@ -173,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare", action="store_true", help="also replay the controller without its fallbacks")
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--json", default="", help="write every scenario's ratios here")
+    ap.add_argument("--jsonl", default="",
+                    help="append each scenario's ratios here as it finishes, and take those already there "
+                         "(same seed, trace, shape and variants) instead of replaying them: a long run resumes")
     ap.add_argument("--committed", action="store_true",
                     help="replay every committed trace as it is instead (the MoE family also on 16x8), one row each")
     args = ap.parse_args(argv)
@@ -192,13 +208,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"python benchmarks/replay_scenarios.py --count {args.count} --first {args.first} --cases {','.join(cases)} "
           f"--shapes {','.join(shapes)}" + (" --compare" if args.compare else "") + "\n")
     t0 = time.perf_counter()
-    results = []
+    kept = kept_results(Path(args.jsonl), variants) if args.jsonl else {}
+    results = {job[0]: kept[key] for job in jobs if (key := (job[0], Path(job[1]).stem, job[2])) in kept}
+    todo = [job for job in jobs if job[0] not in results]
     with ProcessPoolExecutor(max(1, args.jobs)) as pool:
-        for r in pool.map(one, jobs):
-            results.append(r)
+        for r in pool.map(one, todo):
+            results[r["seed"]] = r
+            if args.jsonl:
+                with open(args.jsonl, "a") as f:
+                    f.write(json.dumps(r) + "\n")
             worst = min(x["whole"] for x in r["runs"].values())
             print(f"replay_scenarios: {len(results)}/{len(jobs)} seed {r['seed']} {r['trace']} {r['shape']} worst "
                   f"whole {worst:.3f} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+    results = [results[job[0]] for job in jobs]
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     for variant in variants:

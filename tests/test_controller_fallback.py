@@ -94,6 +94,22 @@ def test_a_run_cannot_claim_less_noise_than_the_steps_before_it_showed():
     assert fallback.faster(calm + close, SHORT, MARGIN, alpha)  # after calm steps the same run is a change
 
 
+def test_an_earlier_change_among_the_steps_before_is_not_noise():
+    """The steps before a run set its noise from their successive differences: two calm regimes 8 %
+    apart before it (an earlier change) leave a lasting 6 % gain as clear as one calm regime does,
+    where their spread about one mean (5 %) hid it; a noisy regime before it still does."""
+    rng = np.random.default_rng(5)
+    run = rng.normal(0.06, 0.01, 8).tolist()
+    two = np.concatenate([rng.normal(-0.10, 0.01, 8), rng.normal(-0.02, 0.01, 8)]).tolist()
+    one = rng.normal(-0.02, 0.01, 16).tolist()
+    noisy = rng.normal(-0.02, 0.05, 16).tolist()
+    alpha = fallback.level(0.95, 1)
+    assert np.std(two) > 0.035  # about one mean, the earlier change looks like noise
+    assert fallback.faster(one + run, SHORT, MARGIN, alpha)
+    assert fallback.faster(two + run, SHORT, MARGIN, alpha)
+    assert not fallback.faster(noisy + run, SHORT, MARGIN, alpha)
+
+
 def test_the_shortest_run_needs_every_step_beyond_the_margin():
     before = [0.0] * 8
     alpha = fallback.level(0.95, 1)

@@ -58,8 +58,10 @@ were chosen before any cost was seen, so every step each of them is tested again
 layout by a paired test on the observed steps' own costs (per-step savings, a one-sided test
 of their trimmed mean against the margin on the last n steps for some n from window + 1 on
 (every n up to twice that, then a doubling grid), a weighted Bonferroni over the lengths
-scanned and the fallbacks, the noise the larger of the run's spread and the steps' before it,
-or right after a migration a 20 times stricter level; each of the last window + 1 steps above
+scanned and the fallbacks, the noise the larger of the run's spread and the steps' before it
+(read from their successive differences, so that an earlier change or a drift among them is not
+taken for noise; with their degrees of freedom where they set it on a run of 2 (window + 1)
+steps or more), or right after a migration a 20 times stricter level; each of the last window + 1 steps above
 the margin), and a fallback that passes is moved to at once, no
 confirming steps, its saving repaying the migration; two steps on which the current layout ran
 4/3 times as long as a fallback (`fallback.FAR_GAIN`) are enough. The controller then searches

@@ -16,19 +16,29 @@ EVIDENCE_STEPS). The costs may have moved n steps ago for any n, so the test sca
 steps ("the run") for n from s = window + 1 (`short_steps`): every n up to 2s - 1, then a
 doubling grid, 2s, 4s ... up to all of them (`scanned`). f is faster when for some n
 
-    mean_t(run) - t(1 - a, h - 1) x spread x sqrt((n - 1) / (h (h - 1))) >= margin
+    mean_t(run) - t(1 - a, df) x spread x sqrt((n - 1) / (h (h - 1))) >= margin
 
 a one-sided paired test of the run's savings against the margin, Yuen's as the window's
 evidence (`evidence.trimmed`: mean_t the mean of the run with TRIM of its steps cut from each
 end, h the steps kept, spread the winsorized standard deviation), so that a few spiky steps
 move it little: a fallback whose saving lives in a few steps of swinging routing is not taken
 for a faster one (a plain mean moved the committed Mixtral trace off its start for a 1.6 %
-loss). Where s or more steps came before the run, spread is the larger of the run's own and
-theirs: a few steps can lie close together by chance (in one of 48 seeds of the noise
-injector, five steps of a saving whose step-to-step spread is 3 % agreed within 0.3 %), and a
-run cannot claim less noise than the steps before it showed. Where fewer came before (right
-after a migration) there is nothing to compare with, and the run's test is held to a level
-EVIDENCE_STEPS times stricter. And each of the last s steps' savings must clear the margin,
+loss). df = h - 1, the run's own degrees of freedom. Where s or more steps came before the
+run, spread is the larger of the run's own and theirs: a few steps can lie close together by
+chance (in one of 48 seeds of the noise injector, five steps of a saving whose step-to-step
+spread is 3 % agreed within 0.3 %), and a run cannot claim less noise than the steps before it
+showed. Their noise is read from their successive differences (von Neumann's mean square
+successive difference, sum_k (g_k - g_k-1)^2 / (2 (m - 1)) over the m steps before the run): they
+may hold an earlier change or a drift, which is not noise, and their spread about one mean
+counted it as noise (a ramp's own first steps held its fallback back by four steps). Where
+their noise is the larger and the run is on the doubling grid (2s steps or more), df is
+theirs, 2 (m - 1)^2 / (3m - 4) (the chi-square whose variance matches that of von Neumann's
+estimate of a normal noise), if above h - 1: the spread comes from them. The short runs keep
+h - 1 whatever the spread: at 3 degrees of freedom the quantile is what holds a slow phase of
+the noise injector as long as the run (seed 6 of `configs/noisy.toml`, step 154: savings of
+12-15 % on four steps in a row, 3 % spread before them) from passing. Where fewer came before
+(right after a migration) there is nothing to compare with, and the run's test is held to a
+level EVIDENCE_STEPS times stricter. And each of the last s steps' savings must clear the margin,
 whatever the run: the fallback is faster now, not in a regime that has ended (the trimmed mean
 of a long run can still hold the old one). a is alpha times the length's share (`shares`, a
 weighted Bonferroni: the change point is searched, so the search is paid for, and the shares
@@ -67,8 +77,8 @@ overlapping steps count as one, so a run of K blocks errs at most (1 - confidenc
 more rarely where it is slower than the current layout, the usual case. Measured
 (tests/test_controller_fallback.py, docs/controller.md), 200 runs of 200 steps with three
 fallbacks whose savings are normal with a 3 % spread: at mean 0 no run passed; at mean = the
-margin, 4 % of the runs (1.5 % paying for every length); a 3-step transient of 5 times the
-spread on mean-0 savings, none;
+margin, 7 % of the runs (4 % with the steps before a run read about their mean, 1.5 % paying
+for every length); a 3-step transient of 5 times the spread on mean-0 savings, none;
 `configs/noisy.toml` on its injected costs, with a fallback within 0.3 % of its layout, no
 migration in 48 seeds x 200 steps.
 
@@ -141,8 +151,9 @@ def faster(gains: list[float], short: int, margin: float, alpha: float) -> bool:
     more than the margin beyond what the noise explains, over the last n steps for some n of
     `scanned`: each length's test (Yuen's trimmed mean, as `evidence.trimmed`) at its share of
     alpha (`shares`), its spread the larger of the run's own (winsorized) and that of the steps
-    before it when `short` or more came before, else at alpha / EVIDENCE_STEPS more (a run with
-    nothing to compare its spread with); and each of the last `short` steps above the margin."""
+    before it (from their successive differences, with their degrees of freedom on the doubling
+    grid's runs) when `short` or more came before, else at alpha / EVIDENCE_STEPS more (a run
+    with nothing to compare its spread with); and each of the last `short` steps above the margin."""
     g = np.asarray(gains[::-1], dtype=float)  # newest first: g[:n] is the last n steps
     total = len(g)
     if total < short or g[:short].min() <= margin:  # faster now, not in a regime that has ended
@@ -161,15 +172,20 @@ def faster(gains: list[float], short: int, margin: float, alpha: float) -> bool:
     wmean = win.sum(axis=1) / n
     spread = np.sqrt(np.where(inside, (win - wmean[:, None]) ** 2, 0.0).sum(axis=1) / (n - 1))
     m = total - n  # the steps before each run
-    s1 = np.concatenate(([0.0], np.cumsum(g[::-1])))  # oldest first: s1[m] sums the m steps before
-    s2 = np.concatenate(([0.0], np.cumsum(g[::-1] ** 2)))
+    # the noise of the steps before each run, from their successive differences (von Neumann's
+    # mean square successive difference): an earlier change or a drift among them is not noise
+    d2 = np.concatenate(([0.0, 0.0], np.cumsum(np.diff(g[::-1]) ** 2)))  # oldest first: d2[m] over the m steps before
     referenced = m >= short
     mm = np.maximum(m, 2)
-    before = np.sqrt(np.maximum(s2[m] - s1[m] ** 2 / mm, 0.0) / (mm - 1))
+    before = np.sqrt(d2[m] / (2 * (mm - 1)))
+    # where the steps before set the spread, its degrees of freedom are theirs: von Neumann's
+    # estimate over m steps varies as a chi-square's with 2 (m - 1)^2 / (3 m - 4) of them
+    df_before = np.floor(2 * (mm - 1) ** 2 / np.maximum(3 * mm - 4, 1)).astype(int)
+    df = np.where(referenced & (before > spread) & (n >= 2 * short), np.maximum(df_before, h - 1), h - 1)
     spread = np.where(referenced, np.maximum(spread, before), spread)
     se = spread * np.sqrt((n - 1) / (h * (h - 1)))
     a = np.where(referenced, alpha, alpha / evidence.EVIDENCE_STEPS) * shares(short, total)
-    t = np.asarray([_t_quantile(1 - float(ak), int(k) - 1) for ak, k in zip(a, h)])
+    t = np.asarray([_t_quantile(1 - float(ak), int(k)) for ak, k in zip(a, df)])
     return bool(((mean > margin) & (mean - t * se >= margin)).any())
 
 
