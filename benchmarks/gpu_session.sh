@@ -12,7 +12,8 @@
 # GROUPS (default all but the compiled ones): comma-separated from core, shrink, long, blocks,
 # hashattn, staged, compiled, long-compiled (the last two: gpu_check --compile), compile-check
 # (compile_check.py, inductor: every block kind compiled through the launcher against eager,
-# compile-check.md).
+# compile-check.md), profile (profile_step.py: where a step's time goes, device busy against
+# wall, for dense, MoD and MoE, with and without dynmo's per-layer marks, profile.md).
 # Each step has a time limit of its own, so a slow one cannot take the others' time.
 set -u
 OUT=${1:?usage: bash benchmarks/gpu_session.sh OUT [GROUPS]}
@@ -66,6 +67,10 @@ for g in ${WANT//,/ }; do
       step 240 compile-check python3 benchmarks/compile_check.py --backend inductor --steps 4 \
         >"$OUT/compile-check.md" 2>&1
       cat "$OUT/compile-check.md" ;;
+    profile)
+      step 150 profile sh -c 'python3 benchmarks/profile_step.py --cases gpt-dense,gpt-mod,gpt-moe,llama-mod \
+        && python3 benchmarks/profile_step.py --cases gpt-dense,gpt-mod --no-marks --top 0' >"$OUT/profile.md" 2>&1
+      grep "^| " "$OUT/profile.md" | head -12 ;;
     *) echo "unknown group $g" >&2; exit 2 ;;
   esac
 done
