@@ -137,12 +137,31 @@ class MoDRouting(Halves, nn.Module):
         x, mask, route, chosen, aux = self._attn_half(x, mask)
         return attach_aux_loss(x, aux, self.opts.predictor_loss_coef), mask, route, chosen
 
+    def dense_forward(self, x: torch.Tensor, mask: torch.Tensor):
+        """The whole block: the chosen rows gathered once, attention and MLP on them, scattered
+        back once. The same rows, weights and operations as the two halves (which scatter after
+        the attention and gather again for the MLP, as a stage boundary between them needs), so
+        the same values, with fewer operators."""
+        h, g, idx, valid, w, _, aux = self._attn_rows(x, mask)
+        new = torch.where(valid.unsqueeze(-1), h + w.unsqueeze(-1) * self.feed(h), h)
+        return attach_aux_loss(x.scatter(1, g, new), aux, self.opts.predictor_loss_coef), mask
+
     def forward_with_aux(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's output and its (unweighted) predictor loss, for single-process use."""
         h, mask, route, chosen, aux = self._attn_half(x, mask)
         return self.mlp_half(h, mask, route, chosen)[0], aux
 
     def _attn_half(self, x: torch.Tensor, mask: torch.Tensor):
+        h, g, idx, valid, w, logits, aux = self._attn_rows(x, mask)
+        out = x.scatter(1, g, h)  # non-chosen tokens are copied from x untouched
+        route = torch.zeros_like(logits).scatter(1, idx, w)
+        chosen = torch.zeros_like(mask).scatter(1, idx, valid)
+        return out, mask, route, chosen, aux
+
+    def _attn_rows(self, x: torch.Tensor, mask: torch.Tensor):
+        """Routing and the attention update of the chosen rows: (h [B, k, D] the chosen rows
+        after attention, g their gather index, idx [B, k] their positions, valid, w their router
+        weights, the router logits, the predictor loss)."""
         B, T, D = x.shape
         k = self.tokens_per_sequence(T)
         logits = self.router(x).squeeze(-1)  # [B, T]
@@ -165,13 +184,10 @@ class MoDRouting(Halves, nn.Module):
         sel = x.gather(1, g)  # [B, k, D]: the only tokens the block computes on
         w = torch.sigmoid(logits.gather(1, idx)) * valid  # 0 on padding rows
         h = torch.where(valid.unsqueeze(-1), sel + w.unsqueeze(-1) * self.attend(sel, idx), sel)
-        out = x.scatter(1, g, h)  # non-chosen tokens are copied from x untouched
-        route = torch.zeros_like(logits).scatter(1, idx, w)
-        chosen = torch.zeros_like(mask).scatter(1, idx, valid)
         m = mask.float()
         aux = (F.binary_cross_entropy_with_logits(pred, target.float(), reduction="none") * m).sum() / m.sum().clamp_min(1)
         self._record(idx.shape[1], valid, mask, pred, target, aux)
-        return out, mask, route, chosen, aux
+        return h, g, idx, valid, w, logits, aux
 
     def mlp_half(self, h: torch.Tensor, mask: torch.Tensor, route: torch.Tensor, chosen: torch.Tensor):
         """The MLP's weighted update of the rows the attention half chose (in position order,
