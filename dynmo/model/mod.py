@@ -15,7 +15,8 @@ zero). Weighting each half's update makes the block two halves (`Halves`): the a
 routes and hands its decision -- `route` (w at the chosen positions, 0 elsewhere, [B, T]) and
 `chosen` ([B, T] bool) -- to the MLP half beside the residual stream, across a stage boundary
 when one falls between them (`parallel.unit = "sublayer"`), and the MLP half updates the same
-rows.
+rows. A whole block (`dense_forward`) does the same on the chosen rows gathered once and
+scattered once: the same values with fewer operators.
 
 Top-k over the whole sequence is not causal: whether token t is chosen depends on later
 tokens. As in the paper, a small predictor (a linear map of the detached input) learns to
