@@ -16,14 +16,11 @@ any case breaks a graph or misses its tolerance. Where CUDA is present the runs 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from paired_runs import train_run
 
 CASES = {
     "gpt-dense": ("configs/default.toml", []),
@@ -38,15 +35,8 @@ CASES = {
 
 def run(config: str, extra: list[str], steps: int, out: Path) -> tuple[list[float], int]:
     """(per-step losses, graph breaks logged) of one run."""
-    cmd = [sys.executable, "-m", "dynmo.cli", "train", "--nproc", "1", "--config", config, "--steps", str(steps),
-           "--out", str(out), "--balance.when", "never",
-           "--log.tensorboard", "false", "--log.progress", "false", *extra]
-    env = dict(os.environ, TORCH_LOGS="graph_breaks", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if p.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed (exit {p.returncode}):\n{p.stderr[-2000:]}")
-    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return losses, p.stderr.count("Graph break")
+    r = train_run(config, ["--balance.when", "never", *extra], steps, out, env={"TORCH_LOGS": "graph_breaks"})
+    return r["losses"], r["stderr"].count("Graph break")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,22 +9,27 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def train_run(config: str, extra: list[str], steps: int, out: Path) -> dict:
-    """One `dynmo train --nproc 1` run (OMP_NUM_THREADS as set, else 1): its mean tokens/s and
-    first and last loss."""
-    cmd = ["dynmo", "train", "--nproc", "1", "--config", config, "--steps", str(steps), "--out", str(out),
-           "--log.tensorboard", "false", "--log.progress", "false", *extra]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
+def train_run(config: str, extra: list[str], steps: int, out: Path, env: dict | None = None) -> dict:
+    """One `dynmo train --nproc 1` run (OMP_NUM_THREADS as set, else 1; `env` added): its mean
+    tokens/s, per-step losses (and the first and last) and what it wrote to stderr. A failed run
+    ends the benchmark with its command and the tail of its stderr."""
+    cmd = [sys.executable, "-m", "dynmo.cli", "train", "--nproc", "1", "--config", config, "--steps", str(steps),
+           "--out", str(out), "--log.tensorboard", "false", "--log.progress", "false", *extra]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **(env or {}))
+    p = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if p.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed (exit {p.returncode}):\n{p.stderr[-2000:]}")
     summary = json.loads((out / "summary.json").read_text())
     losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {"tokens_per_s": summary["mean_tokens_per_s"], "first_loss": losses[0], "last_loss": losses[-1]}
+    return {"tokens_per_s": summary["mean_tokens_per_s"], "losses": losses, "first_loss": losses[0],
+            "last_loss": losses[-1], "stderr": p.stderr}
 
 
 def paired_table(model: tuple[str, str, list[str]], dense: tuple[str, str, list[str]], steps: int,

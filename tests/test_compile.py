@@ -161,7 +161,9 @@ def test_early_exit_blocks_compile_whole_and_equal_eager(family, unit):
     distinct width (rounded to seq_len / WIDTH_BUCKETS), the same loss and gradients as eager."""
     from dynmo.config import EarlyExitConfig
     from dynmo.dynamics.earlyexit import install_gate
-    from dynmo.runtime.compiled import WIDTH_BUCKETS
+    from dynmo.model.gpt import SkipsInactive
+
+    WIDTH_BUCKETS = SkipsInactive.WIDTH_BUCKETS
 
     cfg = tiny(family, "dense")
     opts = EarlyExitConfig(threshold=0.5, aux_loss_coef=0.1)

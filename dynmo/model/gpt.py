@@ -127,8 +127,9 @@ class SkipsInactive(Halves, nn.Module):
     nothing."""
 
     # 0: gather exactly the rows needed; K: round them up to a multiple of seq_len / K, so a
-    # compiled block sees at most K + 1 widths (`dynmo.runtime.compiled` sets it)
+    # compiled block sees at most K + 1 widths (`before_compile` sets it)
     width_buckets = 0
+    WIDTH_BUCKETS = 16
     active_width: int | None = None  # this forward's rows per sequence; None: every token
     _width_hook = None
 
@@ -143,6 +144,11 @@ class SkipsInactive(Halves, nn.Module):
         elif not on and self._width_hook is not None:
             self._width_hook.remove()
             self._width_hook, self.active_width = None, None
+
+    def before_compile(self, dtype: torch.dtype) -> None:
+        """`dynmo.runtime.compiled` calls it before compiling the block: widths rounded up, so
+        the graph sees at most WIDTH_BUCKETS + 1 of them."""
+        self.width_buckets = self.WIDTH_BUCKETS
 
     def _read_width(self, args: tuple) -> None:
         """Before each forward (a pre-hook, so outside a compiled forward): how many rows per

@@ -50,8 +50,8 @@ class SwiGLUExperts(nn.Module):
         h = F.silu(grouped_mm(x, self.w1.transpose(1, 2), offs)) * grouped_mm(x, self.w3.transpose(1, 2), offs)
         return grouped_mm(h, self.w2.transpose(1, 2), offs)
 
-    def probe_grouped(self, dtype: torch.dtype) -> None:
-        for w in (self.w1, self.w2):  # before compiling (dynmo.runtime.compiled); w3 is w1's shape
+    def before_compile(self, dtype: torch.dtype) -> None:
+        for w in (self.w1, self.w2):  # the probe cannot run inside a graph; w3 is w1's shape
             probe(w.transpose(1, 2), dtype)
 
 

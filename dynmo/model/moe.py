@@ -80,8 +80,8 @@ class ExpertLinear(nn.Module):
         for a row past the last offset: no bias) -> [R, out]."""
         return add_group_bias(grouped_mm(x, self.weight, offs), self.bias, idx)
 
-    def probe_grouped(self, dtype: torch.dtype) -> None:
-        probe(self.weight, dtype)  # before compiling (dynmo.runtime.compiled)
+    def before_compile(self, dtype: torch.dtype) -> None:
+        probe(self.weight, dtype)  # the probe cannot run inside a graph
 
 
 class Experts(nn.Module):

@@ -17,12 +17,12 @@ parameters and state dict, so checkpoints, migrations and optimizer state see no
   compiled here) reuses it instead of compiling again (`tests/test_compile.py` counts).
 - The compile cache of one class holds one entry per distinct setting (a Mixture-of-Depths
   capacity, a frozen block's `requires_grad`), so its limit is raised to `CACHE_LIMIT`.
-- A block that computes only its active tokens (early exit) reads how many rows to gather
-  in a forward pre-hook, outside the graph, rounded up to a multiple of seq_len /
-  `WIDTH_BUCKETS`: the graph sees a Python int and compiles once per width, at most
-  `WIDTH_BUCKETS` + 1 of them.
-- The grouped expert matmul's capability probe (`dynmo.model.grouped`) runs eagerly before the
-  first compiled call, since a probe cannot run inside a graph.
+- What a module needs settled before its graph is traced, it does in `before_compile(dtype)`,
+  called here on every submodule that has one: the grouped expert matmul's capability probe
+  (`dynmo.model.grouped`; a probe cannot run inside a graph), and a block that computes only
+  its active tokens (early exit), which reads how many rows to gather in a forward pre-hook,
+  outside the graph, rounds them up to a multiple of seq_len / `SkipsInactive.WIDTH_BUCKETS`:
+  the graph sees a Python int and compiles once per width, at most WIDTH_BUCKETS + 1 of them.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import torch
 import torch.nn as nn
 
 CACHE_LIMIT = 64
-WIDTH_BUCKETS = 16
 
 
 def _raise_cache_limit() -> None:
@@ -51,11 +50,9 @@ def compile_unit(unit: nn.Module, dtype: torch.dtype, backend: str = "inductor")
         return unit
     _raise_cache_limit()
     for m in unit.modules():
-        probe = getattr(m, "probe_grouped", None)
-        if probe is not None:
-            probe(dtype)
-    if hasattr(unit, "width_buckets"):  # a block that can skip inactive tokens (early exit)
-        unit.width_buckets = WIDTH_BUCKETS
+        prepare = getattr(m, "before_compile", None)
+        if prepare is not None:
+            prepare(dtype)
     expert_parallel = any(getattr(m, "ep", None) is not None for m in unit.modules())
     unit.forward = torch.compile(unit.forward, fullgraph=not expert_parallel, dynamic=False, backend=backend)
     return unit
@@ -64,5 +61,5 @@ def compile_unit(unit: nn.Module, dtype: torch.dtype, backend: str = "inductor")
 def eager(unit: nn.Module) -> nn.Module:
     """Undo `compile_unit` (the unit's class forward again)."""
     vars(unit).pop("forward", None)
-    vars(unit).pop("width_buckets", None)
+    vars(unit).pop("width_buckets", None)  # what `before_compile` set on a skipping block
     return unit
