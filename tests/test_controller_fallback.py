@@ -53,10 +53,11 @@ def test_a_modest_lasting_gain_passes_once_enough_steps_carry_it():
 
 def test_the_lengths_scanned_and_their_shares_of_alpha():
     """Every short run up to 2 short - 1 steps at the share it has among every length, the longer
-    ones on a doubling grid at larger shares, all of them summing to at most 1 (Bonferroni)."""
+    ones on a doubling grid at larger shares, all of them summing to at most 1 (Bonferroni); with
+    `whole`, every step there is is the last length, the shares still summing to at most 1."""
     for short in range(1, 8):
         for total in range(short, 64):
-            n, a = fallback.scanned(short, total), fallback.shares(short, total)
+            n, a = evidence.scanned(short, total), evidence.shares(short, total)
             assert n[0] == short and n[-1] <= total and list(n) == sorted(set(n.tolist()))
             assert set(range(short, min(2 * short, total + 1))) <= set(n.tolist())
             grid = [k // short for k in n if k >= 2 * short]
@@ -64,6 +65,9 @@ def test_the_lengths_scanned_and_their_shares_of_alpha():
             assert a.sum() <= 1 + 1e-12 and len(a) == len(n)
             each = 1 / (total - short + 1)
             assert np.allclose(a[n < 2 * short], each) and np.all(a[n >= 2 * short] >= each - 1e-12)
+            w, b = evidence.scanned(short, total, whole=True), evidence.shares(short, total, whole=True)
+            assert w[-1] == total and set(n.tolist()) <= set(w.tolist()) and list(w) == sorted(set(w.tolist()))
+            assert b.sum() <= 1 + 1e-12 and len(b) == len(w) and np.all(b > 0)
 
 
 @pytest.mark.parametrize("mean,most", [(0.0, 0.0), (MARGIN, 0.15)])

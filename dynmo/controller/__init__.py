@@ -34,11 +34,14 @@ to that noise looks better than it is (the winner's curse). So `auto` moves laye
   - the forecast (per-layer median of the last `window` steps) saves at least `min_gain`
     (1 % by default, the simulator's measured accuracy) of the step time;
   - the saving is significant on the observed steps, each evaluated under its own costs: a
-    one-sided trimmed-mean t-test on the per-step savings of the window, or of up to 20
-    observed steps (`evidence.supported`), at `confidence` (0.95) spread over the looks since
+    one-sided trimmed-mean t-test on the per-step savings of the window, or of the latest run of
+    some longer length up to all the observed steps (20 at most; the lengths scanned at their
+    shares of the level, none claiming less noise than the steps before it showed:
+    `evidence.supported`, `evidence.scan`), at `confidence` (0.95) spread over the looks since
     the evidence last started afresh, so a saving the steps' own variation could produce moves
     nothing;
-  - the proposed move is confirmed on `confirm` fresh steps (2; `evidence.confirmed`), so a real
+  - the proposed move is confirmed on `confirm` fresh steps (2; `evidence.confirmed`; a proposal
+    stands until they came, whatever the window's optimum does meanwhile), so a real
     change is acted on `window` + `confirm` steps after it happened (5 by default); a change
     far larger than any the noise showed (`evidence.large_change`) after 2; a change the model announces
     (a dynamism event) is acted on from its first window alone, `window` steps after it
@@ -48,9 +51,9 @@ to that noise looks better than it is (the winner's curse). So `auto` moves laye
     than the window to stand out, and the window's optimum moves with the window's noise;
   - going back to a layout left within the horizon needs twice the gain (no ping-pong);
   - and after each migration the controller judges it by the measured step time
-    (`judge.judge_migration`): a migration that made the step slower by more than the step
-    times' own noise is undone, its layout is never chosen again in the run, and the margin
-    doubles.
+    (`judge.judge_migration`, both layouts step by step): a migration that made the step slower
+    by more than that comparison's noise is undone, its layout is not chosen again for the
+    horizon (the costs it lost on may move on), and the margin doubles.
 Pre-registered fallbacks (`fallback`; `Controller.fallback`, on by default). The winner's curse
 is a cost of selection: the window's optimum was chosen because it looked best on those very
 steps. The start layout and the static layouts known before step 0 (uniform, params, flops)
@@ -64,7 +67,8 @@ taken for noise; with their degrees of freedom where they set it on a run of 2 (
 steps or more), or right after a migration a 20 times stricter level; each of the last window + 1 steps above
 the margin), and a fallback that passes is moved to at once, no
 confirming steps, its saving repaying the migration; two steps on which the current layout ran
-4/3 times as long as a fallback (`fallback.FAR_GAIN`) are enough. The controller then searches
+4/3 times as long as a fallback (`fallback.FAR_GAIN`) are enough; among fallbacks the latest
+steps cannot tell apart, the one with the best record over the run. The controller then searches
 from there as usual. So a layout the controller's own earlier move chose is left within a few
 steps once the costs move again and a fixed layout is clearly faster, where the window's
 optimum may keep failing its evidence. Its false-alarm rate and the measurements are in

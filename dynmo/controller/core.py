@@ -60,7 +60,9 @@ class Controller(Rebalancing, Fallbacks, Packing, Safeguards, Scoring):
     # `auto`'s defences against noise:
     margin: float = -1.0  # gain a decision needs; starts at cfg.min_gain, doubled after a migration that lost
     left: dict = field(default_factory=dict)  # layout boundaries -> step it was left at
-    lost: set = field(default_factory=set)  # layouts a measured step time showed slower: never again
+    # layouts a measured step time showed slower -> the observed steps then: not chosen again for
+    # the horizon (the costs they lost on may have moved on since)
+    lost: dict = field(default_factory=dict)
     judge: Judge = field(init=False)  # measured step times, and the last migration until judged
     model: StepModel = field(init=False)  # the objective: simulated step time of a layout
     peak_total: float = 0.0  # the largest forecast total cost seen (re-packing waits for the model to shrink)
@@ -93,6 +95,9 @@ class Controller(Rebalancing, Fallbacks, Packing, Safeguards, Scoring):
     via: str = ""  # the reason of the decision that chose the current layout ("": the start)
     # auto: (step, seconds) of each move a fallback undid after it ran slower (`persistence`)
     outpaced: list = field(default_factory=list)
+    # auto: per fallback (and the layouts it was compared with), its simulated step time on each
+    # observed step, by the step's number in the run (`fallback.Fallbacks._record`)
+    fallback_record: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.cfg.window < 1:
@@ -169,6 +174,7 @@ class Controller(Rebalancing, Fallbacks, Packing, Safeguards, Scoring):
         self.widest = max(self.widest, current.num_stages)
         if self.start is None:
             self.start = current
+        self.lost = {b: at for b, at in self.lost.items() if self.observed - at <= c.horizon}
         # `every` is the paper's fixed frequency: the user's schedule, not judged
         revert = self._judge_last_migration(current, layer_bytes, steps_left) if c.when not in ("never", "every") else None
         if revert is not None:

@@ -11,9 +11,16 @@ with mean_t the trimmed mean (TRIM of the steps cut from each end: a transient o
 moves it little), se_t its winsorized standard error and t(df) a one-sided quantile of
 Student's t (`t_quantile`, exact for integer df): a saving the steps' own variation would
 produce by chance does not move layers. It is tested twice (`supported`), on the forecast's
-`window` steps (a large change shows at once) and on up to EVIDENCE_STEPS observed steps (a
-gain of a few percent under noise needs more steps to stand out), each at `level(confidence)`
-(97.5 % for `balance.confidence` = 0.95); the controller lowers the confidence's risk as the
+`window` steps (a large change shows at once) and on the latest run of some longer length, up
+to the EVIDENCE_STEPS observed steps (a gain of a few percent under noise needs more steps to
+stand out), each at `level(confidence)` (97.5 % for `balance.confidence` = 0.95). The costs
+may have moved any number of steps ago, so the longer runs are scanned (`scan`): every length
+from window + 1 to twice that, then a doubling grid, and all the steps, each at its share of
+the level (a weighted Bonferroni: the change point is searched, and the search is paid for),
+no run claiming less noise than the steps before it showed (read from their successive
+differences). The same scan is the pre-registered fallbacks' test
+(`dynmo.controller.fallback`, which has its statistics and measurements). The controller
+lowers the confidence's risk as the
 looks at the same evidence add up (`Controller.confidence_now`). `margin` is
 `balance.min_gain` (1 % by default), doubled after a migration that lost. With no variation
 (a noise-free replay) the test passes for any saving above the margin.
@@ -21,7 +28,8 @@ looks at the same evidence add up (`Controller.confidence_now`). `margin` is
 The window that proposes a move also chose it (the optimum of the window's forecast), so its
 gains there are biased up (the winner's curse). A proposal is therefore confirmed only after
 `balance.confirm` fresh steps that played no part in choosing it: their mean gain must clear the margin,
-and the test above, fresh steps included, must still hold.
+and the test above, fresh steps included, must still hold. The proposal stands until its fresh
+steps came, whatever the window's optimum does meanwhile (`Rebalancing._standing_option`).
 
 A change the model announces (a dynamism event: a pruning step, frozen blocks, exits switched
 on, the skew) is not the winner's curse: what changed, and when, is known, not selected from
@@ -38,8 +46,11 @@ Each function takes what it judges and returns a verdict; the controller keeps t
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from statistics import fmean, stdev
 from typing import Callable, Sequence
+
+import numpy as np
 
 from dynmo.layout import Layout
 
@@ -140,6 +151,76 @@ def gains(old_times: Sequence[float], new_times: Sequence[float]) -> list[float]
     return [(old_t - new_t) / old_t if old_t > 0 else 0.0 for old_t, new_t in zip(old_times, new_times)]
 
 
+def scanned(short: int, total: int, whole: bool = False) -> np.ndarray:
+    """The run lengths a scan for a change point tests (the latest n steps for each n): every one
+    from `short` to 2 `short` - 1, then a doubling grid, 2 `short`, 4 `short` ... up to `total`;
+    with `whole`, `total` itself too (every step there is)."""
+    grid = short * 2 ** np.arange(1, int(math.log2(total / short)) + 1) if total >= 2 * short else []
+    n = np.concatenate([np.arange(short, min(2 * short, total + 1)), grid]).astype(int)
+    return np.append(n, total) if whole and total >= short and (not len(n) or n[-1] != total) else n
+
+
+def shares(short: int, total: int, whole: bool = False) -> np.ndarray:
+    """Each scanned length's share of alpha, summing to at most 1 (a weighted Bonferroni): the
+    short runs each keep the share they would have among every length from `short` to `total`,
+    the grid's longer runs share the rest."""
+    n = scanned(short, total, whole)
+    each = 1.0 / (total - short + 1)
+    near = n < 2 * short
+    rest = (1.0 - each * near.sum()) / max(1, (~near).sum())
+    return np.where(near, each, rest)
+
+
+# a handful of (level, df) pairs recur every step: the quantile's bisection runs once for each
+_t_quantile = lru_cache(maxsize=1024)(t_quantile)
+
+
+def scan(gains: Sequence[float], short: int, margin: float, alpha: float, whole: bool = False) -> bool:
+    """Per-step gains (oldest first) faster than the margin beyond what the noise explains, over
+    the last n steps for some n of `scanned` (`whole`: all of them too): each length's test
+    (Yuen's trimmed mean, as `trimmed`) at its share of alpha (`shares`), its spread the larger
+    of the run's own (winsorized) and that of the steps before it (from their successive
+    differences, with their degrees of freedom on the doubling grid's runs) when `short` or more
+    came before, else at alpha / EVIDENCE_STEPS more (a run with nothing to compare its spread
+    with). The reasons are `dynmo.controller.fallback`'s: a change point searched and paid for,
+    and a run that cannot claim less noise than the steps before it showed."""
+    g = np.asarray(gains[::-1], dtype=float)  # newest first: g[:n] is the last n steps
+    total = len(g)
+    if total < short:
+        return False
+    n = scanned(short, total, whole)
+    cols = np.arange(total)
+    inside = cols[None, :] < n[:, None]
+    x = np.sort(np.where(inside, g[None, :], np.inf), axis=1)  # each run sorted, padded after it
+    cut = (TRIM * n).astype(int)
+    h = n - 2 * cut
+    rows = np.arange(len(n))
+    lo, hi = x[rows, cut], x[rows, n - cut - 1]
+    kept = inside & (cols[None, :] >= cut[:, None]) & (cols[None, :] < (n - cut)[:, None])
+    mean = np.where(kept, x, 0.0).sum(axis=1) / h
+    win = np.where(inside, np.clip(x, lo[:, None], hi[:, None]), 0.0)
+    wmean = win.sum(axis=1) / n
+    spread = np.sqrt(np.where(inside, (win - wmean[:, None]) ** 2, 0.0).sum(axis=1) / (n - 1))
+    m = total - n  # the steps before each run
+    # the noise of the steps before each run, from their successive differences (von Neumann's
+    # mean square successive difference): an earlier change or a drift among them is not noise
+    d2 = np.concatenate(([0.0, 0.0], np.cumsum(np.diff(g[::-1]) ** 2)))  # oldest first: d2[m] over the m steps before
+    referenced = m >= short
+    mm = np.maximum(m, 2)
+    before = np.sqrt(d2[m] / (2 * (mm - 1)))
+    # where the steps before set the spread, its degrees of freedom are theirs: von Neumann's
+    # estimate over m steps varies as a chi-square's with 2 (m - 1)^2 / (3 m - 4) of them
+    df_before = np.floor(2 * (mm - 1) ** 2 / np.maximum(3 * mm - 4, 1)).astype(int)
+    df = np.where(referenced & (before > spread) & (n >= 2 * short), np.maximum(df_before, h - 1), h - 1)
+    spread = np.where(referenced, np.maximum(spread, before), spread)
+    se = spread * np.sqrt((n - 1) / (h * (h - 1)))
+    # a short run with nothing before it may agree by chance: held to a stricter level; a run of
+    # 2 short steps or more reads its noise well enough from itself
+    a = np.where(referenced | (n >= 2 * short), alpha, alpha / EVIDENCE_STEPS) * shares(short, total, whole)
+    t = np.asarray([_t_quantile(1 - float(ak), int(k)) for ak, k in zip(a, df)])
+    return bool(((mean > margin) & (mean - t * se >= margin)).any())
+
+
 def significant(gains: list[float], margin: float, p: float = 0.95) -> bool:
     """The (trimmed) mean gain clears the margin beyond what the gains' variation could produce."""
     if not gains:
@@ -149,13 +230,18 @@ def significant(gains: list[float], margin: float, p: float = 0.95) -> bool:
 
 
 def supported(gains: list[float], window: int, margin: float, confidence: float = CONFIDENCE) -> bool:
-    """Significant on the last `window` steps (a large change shows within the window) or on all
-    the steps observed, up to EVIDENCE_STEPS (a small gain needs more steps to stand out of the
-    noise); each test at `level(confidence)` (97.5% one-sided by default), so that the two
-    together err at most 1 - confidence of the time."""
+    """Significant on the last `window` steps (a large change shows within the window) or on the
+    latest run of some longer length, up to all the steps observed (EVIDENCE_STEPS at most: a
+    small gain needs more steps to stand out of the noise); each of the two at `level(confidence)`
+    (97.5% one-sided by default), so that together they err at most 1 - confidence of the time.
+    The longer runs are scanned (`scan`: window + 1 steps and up, every step there is last, each
+    at its share of the level, none claiming less noise than the steps before it showed): the
+    costs may have moved n steps ago for any n, and a test of every step observed read the steps
+    before the move as the gain's noise (a lasting 15 % gain waited 15 steps behind its own old
+    regime)."""
     if significant(gains[-window:], margin, level(confidence)):
         return True
-    return len(gains) > window and significant(gains, margin, level(confidence))
+    return len(gains) > window and scan(gains, window + 1, margin, 1 - level(confidence), whole=True)
 
 
 def confirmed(proposal: tuple | None, observed: int, fresh_max: int, window: int, current: Layout, new: Layout,

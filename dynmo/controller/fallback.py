@@ -14,7 +14,7 @@ current layout under that step's own costs (both simulated, as the evidence's ga
 steps since the evidence last started afresh (a migration, a large change; up to
 EVIDENCE_STEPS). The costs may have moved n steps ago for any n, so the test scans the last n
 steps ("the run") for n from s = window + 1 (`short_steps`): every n up to 2s - 1, then a
-doubling grid, 2s, 4s ... up to all of them (`scanned`). f is faster when for some n
+doubling grid, 2s, 4s ... up to all of them (`evidence.scanned`). f is faster when for some n
 
     mean_t(run) - t(1 - a, df) x spread x sqrt((n - 1) / (h (h - 1))) >= margin
 
@@ -40,7 +40,7 @@ the noise injector as long as the run (seed 6 of `configs/noisy.toml`, step 154:
 (right after a migration) there is nothing to compare with, and the run's test is held to a
 level EVIDENCE_STEPS times stricter. And each of the last s steps' savings must clear the margin,
 whatever the run: the fallback is faster now, not in a regime that has ended (the trimmed mean
-of a long run can still hold the old one). a is alpha times the length's share (`shares`, a
+of a long run can still hold the old one). a is alpha times the length's share (`evidence.shares`, a
 weighted Bonferroni: the change point is searched, so the search is paid for, and the shares
 sum to at most 1). Each short run, up to 2s - 1 steps, keeps the share it would have among
 every length from s to all of them (1/17 with 20 steps): there a step of misalignment with the
@@ -84,14 +84,20 @@ migration in 48 seeds x 200 steps.
 
 What the move still needs: the saving over the horizon (the mean saving of the last s steps,
 or of the last two) repays the migration; a layout left within the horizon needs twice the
-margin and one judged lost is never taken (as every move). The controller then searches from
-there with the usual evidence. Pure.
+margin and one judged lost within it is not taken (as every move). Where several pass, those
+within the margin of the fastest on the latest steps are told apart by their record: each
+fallback's simulated step time on every step the run observed, kept past the history's
+clearing at a move (`Fallbacks._record`), compared over the steps all of them were recorded
+on. They were fixed before any cost was seen, so their records are fair to compare, and costs
+that moved tend to move again: after a hot region's layout was outpaced, uniform and params
+were equally fast on its two steps, and uniform, the slower over the run, ran 1.4 times as long
+as params when the region came its way. The controller then searches from there with the usual
+evidence. Pure.
 """
 
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 from statistics import fmean
 
 import numpy as np
@@ -113,10 +119,6 @@ def level(confidence: float, fallbacks: int) -> float:
     return (1 - confidence) / max(1, fallbacks)
 
 
-# a handful of (level, df) pairs recur every step: the quantile's bisection runs once for each
-_t_quantile = lru_cache(maxsize=1024)(evidence.t_quantile)
-
-
 # a fallback that saved this share of the current layout's step time on each of the last two
 # steps moves at once (the current layout ran them 4/3 times as long): 1.7 times the largest such
 # saving the noise injector's costs showed (0.146, configs/noisy.toml, 48 seeds x 200 steps)
@@ -128,65 +130,15 @@ def far_faster(gains: list[float]) -> bool:
     return len(gains) >= 2 and min(gains[-2:]) >= FAR_GAIN
 
 
-def scanned(short: int, total: int) -> np.ndarray:
-    """The run lengths `faster` tests: every one from `short` to 2 `short` - 1, then a doubling
-    grid, 2 `short`, 4 `short` ... up to `total`."""
-    grid = short * 2 ** np.arange(1, int(math.log2(total / short)) + 1) if total >= 2 * short else []
-    return np.concatenate([np.arange(short, min(2 * short, total + 1)), grid]).astype(int)
-
-
-def shares(short: int, total: int) -> np.ndarray:
-    """Each scanned length's share of alpha, summing to at most 1 (a weighted Bonferroni): the
-    short runs each keep the share they would have among every length from `short` to `total`,
-    the grid's longer runs share the rest."""
-    n = scanned(short, total)
-    each = 1.0 / (total - short + 1)
-    near = n < 2 * short
-    rest = (1.0 - each * near.sum()) / max(1, (~near).sum())
-    return np.where(near, each, rest)
-
-
 def faster(gains: list[float], short: int, margin: float, alpha: float) -> bool:
     """The fallback's per-step gains (oldest first) show it faster than the current layout by
-    more than the margin beyond what the noise explains, over the last n steps for some n of
-    `scanned`: each length's test (Yuen's trimmed mean, as `evidence.trimmed`) at its share of
-    alpha (`shares`), its spread the larger of the run's own (winsorized) and that of the steps
-    before it (from their successive differences, with their degrees of freedom on the doubling
-    grid's runs) when `short` or more came before, else at alpha / EVIDENCE_STEPS more (a run
-    with nothing to compare its spread with); and each of the last `short` steps above the margin."""
+    more than the margin beyond what the noise explains over the latest run of some length
+    (`evidence.scan`), and each of the last `short` steps above the margin."""
     g = np.asarray(gains[::-1], dtype=float)  # newest first: g[:n] is the last n steps
     total = len(g)
     if total < short or g[:short].min() <= margin:  # faster now, not in a regime that has ended
         return False
-    n = scanned(short, total)
-    cols = np.arange(total)
-    inside = cols[None, :] < n[:, None]
-    x = np.sort(np.where(inside, g[None, :], np.inf), axis=1)  # each run sorted, padded after it
-    cut = (evidence.TRIM * n).astype(int)
-    h = n - 2 * cut
-    rows = np.arange(len(n))
-    lo, hi = x[rows, cut], x[rows, n - cut - 1]
-    kept = inside & (cols[None, :] >= cut[:, None]) & (cols[None, :] < (n - cut)[:, None])
-    mean = np.where(kept, x, 0.0).sum(axis=1) / h
-    win = np.where(inside, np.clip(x, lo[:, None], hi[:, None]), 0.0)
-    wmean = win.sum(axis=1) / n
-    spread = np.sqrt(np.where(inside, (win - wmean[:, None]) ** 2, 0.0).sum(axis=1) / (n - 1))
-    m = total - n  # the steps before each run
-    # the noise of the steps before each run, from their successive differences (von Neumann's
-    # mean square successive difference): an earlier change or a drift among them is not noise
-    d2 = np.concatenate(([0.0, 0.0], np.cumsum(np.diff(g[::-1]) ** 2)))  # oldest first: d2[m] over the m steps before
-    referenced = m >= short
-    mm = np.maximum(m, 2)
-    before = np.sqrt(d2[m] / (2 * (mm - 1)))
-    # where the steps before set the spread, its degrees of freedom are theirs: von Neumann's
-    # estimate over m steps varies as a chi-square's with 2 (m - 1)^2 / (3 m - 4) of them
-    df_before = np.floor(2 * (mm - 1) ** 2 / np.maximum(3 * mm - 4, 1)).astype(int)
-    df = np.where(referenced & (before > spread) & (n >= 2 * short), np.maximum(df_before, h - 1), h - 1)
-    spread = np.where(referenced, np.maximum(spread, before), spread)
-    se = spread * np.sqrt((n - 1) / (h * (h - 1)))
-    a = np.where(referenced, alpha, alpha / evidence.EVIDENCE_STEPS) * shares(short, total)
-    t = np.asarray([_t_quantile(1 - float(ak), int(k)) for ak, k in zip(a, df)])
-    return bool(((mean > margin) & (mean - t * se >= margin)).any())
+    return evidence.scan(gains, short, margin, alpha)
 
 
 class Fallbacks:
@@ -203,6 +155,21 @@ class Fallbacks:
         lays += self.prior_layouts(problem, current.num_stages)
         return [lay for lay in dict.fromkeys(lays) if lay != current and lay.boundaries not in self.lost]
 
+    def _record(self, layouts: list[Layout], times: list[list[float]]) -> None:
+        """Keep each layout's simulated step time on every observed step of the history, by the
+        step's number in the run (`fallback_record`), past the history's clearing at a move."""
+        first = self.observed - len(self.history)
+        for lay, ts in zip(layouts, times):
+            self.fallback_record.setdefault(lay.boundaries, {}).update(
+                (first + i, t) for i, t in enumerate(ts))
+
+    def _record_mean(self, layout: Layout, among: list[Layout]) -> float:
+        """`layout`'s mean recorded step time over the steps every one of `among` was recorded on."""
+        recs = [self.fallback_record.get(lay.boundaries, {}) for lay in among]
+        common = set.intersection(*(set(r) for r in recs)) if recs else set()
+        mine = self.fallback_record.get(layout.boundaries, {})
+        return fmean(mine[k] for k in common) if common else 0.0
+
     def _fall_back(self, step: int, current: Layout, layer_bytes: list[int], steps_left: int) -> Decision | None:
         """The fastest fallback `faster` than the current layout whose saving repays its migration."""
         short = short_steps(self.cfg.window)
@@ -211,9 +178,10 @@ class Fallbacks:
         if not options:
             return None
         now, *times = self.history_times([current, *options])
+        self._record([current, *options], [now, *times])
         alpha = level(self.confidence_now(), len(options))
         horizon = max(0, min(self.cfg.horizon, steps_left))
-        best = None
+        passed = []
         for lay, t in zip(options, times):
             margin = self.margin
             if step - self.left.get(lay.boundaries, -10**9) <= self.cfg.horizon:
@@ -228,11 +196,15 @@ class Fallbacks:
             t_now, t_new = fmean(now[-recent:]), fmean(t[-recent:])
             if (t_now - t_new) * horizon <= self.migration_cost(layer_bytes, current, lay):
                 continue
-            if best is None or t_new < best[2]:
-                best = (lay, t_now, t_new)
-        if best is None:
+            passed.append((lay, t_now, t_new))
+        if not passed:
             return None
-        lay, t_now, t_new = best
+        fastest = min(p[2] for p in passed)
+        # among the fallbacks the latest steps cannot tell apart (within the margin of the
+        # fastest), the one of the best record over the whole run: fixed before any cost was
+        # seen, their records are fair to compare, and the costs that move again tend to come back
+        near = [p for p in passed if p[2] <= fastest * (1 + self.margin)]
+        lay, t_now, t_new = min(near, key=lambda p: (self._record_mean(p[0], [q[0] for q in near]), p[2]))
         if self.via == "rebalance":  # a move the controller chose, undone: was it outpaced?
             loss = persistence.return_loss(now, times[options.index(lay)])
             if loss > 0:

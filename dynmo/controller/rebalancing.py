@@ -53,6 +53,8 @@ class Rebalancing:
             yield new, t_now, t_new
             if c.when == "auto" and len(self.history) > c.window:
                 yield self._steady_option(current, search)
+            if c.when == "auto" and self.proposal is not None:
+                yield self._standing_option(problem, current, t_now, scored)
 
         rejected = False  # a candidate failed the margin, the repayment or the evidence
         confidence = self.confidence_now()
@@ -143,6 +145,19 @@ class Rebalancing:
             return None
         return self._rebalanced(step, problem, current, new, t_now, t_cand, horizon, layer_bytes)
 
+
+    def _standing_option(self, problem: Problem, current: Layout, t_now: float,
+                         scored: dict) -> tuple[Layout | None, float, float]:
+        """(the standing proposal, the current layout's and its step time under the forecast): a
+        proposal is judged on its own fresh steps (`evidence.confirmed`), so the window's optimum
+        flipping to a layout of the same step time, or failing its evidence on one step, does not
+        drop it before they came (a lasting gain of 10-20 % under a committed trace's noise was
+        proposed four times and moved on none, 15 steps after the change)."""
+        proposed = Layout(self.proposal[0])
+        if proposed.num_stages != current.num_stages:
+            return None, 0.0, 0.0
+        t = scored[proposed.boundaries] if proposed.boundaries in scored else self.step_s(problem, proposed)
+        return proposed, t_now, t
 
     def _steady_option(self, current: Layout, search: bool) -> tuple[Layout | None, float, float]:
         """(the optimum of the per-layer median over every observed step, the mean step time of

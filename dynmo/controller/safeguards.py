@@ -77,7 +77,7 @@ class Safeguards:
 
     def _judge_last_migration(self, current: Layout, layer_bytes: list[int], steps_left: int) -> Decision | None:
         """A migration that lost doubles the margin; a rebalance that lost is undone and its
-        layout never chosen again in the run (a re-pack or a grow that lost only raises the
+        layout not chosen again for the horizon (a re-pack or a grow that lost only raises the
         margin: undoing one is a restart or a release, not a migration)."""
         judged = self.judge.verdict(current, self.cfg.min_gain, self.cfg.repack_tolerance, self._steps_under)
         if judged is None or not judged[1].lost:
@@ -86,7 +86,7 @@ class Safeguards:
         self.margin = max(2 * self.margin, 0.02)
         if chk.repack or chk.old.num_stages != current.num_stages:
             return None
-        self.lost.add(current.boundaries)
+        self.lost[current.boundaries] = self.observed
         self.via = "revert"
         cost = self.migration_cost(layer_bytes, current, chk.old)
         return Decision(chk.old, 0.0, 0.0, (v.t_new - v.t_old) * max(0, min(self.cfg.horizon, steps_left)), cost,
