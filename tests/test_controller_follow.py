@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from dynmo.config import BalanceConfig
-from dynmo.controller import Controller, evidence
+from dynmo.controller import Controller, evidence, fallback
 from dynmo.controller.judge import Pending, judge_migration
 from dynmo.controller.rebalancing import Rebalancing
 from dynmo.layout import Layout
@@ -136,3 +136,9 @@ def test_fallbacks_the_latest_steps_cannot_tell_apart_are_chosen_by_their_record
                          b.boundaries: {k: 9.0 for k in range(5, 20)}}
     assert c._record_mean(b, [a, b]) < c._record_mean(a, [a, b])  # over the steps both were recorded
     assert c._record_mean(a, [a, b]) == 10.0
+    # a long run keeps the latest RECORD_STEPS steps of each layout's record, recorded from the history
+    for _ in range(fallback.RECORD_STEPS + 50):
+        c.observe([1.0] * 6)
+        c._record([a], [[1.0] * len(c.history)])
+    rec = c.fallback_record[a.boundaries]
+    assert len(rec) == fallback.RECORD_STEPS and max(rec) == c.observed - 1

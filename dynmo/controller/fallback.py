@@ -127,6 +127,9 @@ def level(confidence: float, fallbacks: int) -> float:
 # saving the noise injector's costs showed (0.146, configs/noisy.toml, 48 seeds x 200 steps)
 FAR_GAIN = 0.25
 
+# the most steps of a layout's record `Fallbacks._record` keeps (the latest)
+RECORD_STEPS = 1000
+
 
 def far_faster(gains: list[float]) -> bool:
     """The last two steps each saved FAR_GAIN or more of the current layout's step time."""
@@ -163,8 +166,10 @@ class Fallbacks:
         step's number in the run (`fallback_record`), past the history's clearing at a move."""
         first = self.observed - len(self.history)
         for lay, ts in zip(layouts, times):
-            self.fallback_record.setdefault(lay.boundaries, {}).update(
-                (first + i, t) for i, t in enumerate(ts))
+            rec = self.fallback_record.setdefault(lay.boundaries, {})
+            rec.update((first + i, t) for i, t in enumerate(ts))
+            while len(rec) > RECORD_STEPS:  # the oldest steps first: a long run's memory stays bounded
+                del rec[next(iter(rec))]
 
     def _record_mean(self, layout: Layout, among: list[Layout]) -> float:
         """`layout`'s mean recorded step time over the steps every one of `among` was recorded on."""
