@@ -182,8 +182,9 @@ def scan(gains: Sequence[float], short: int, margin: float, alpha: float, whole:
     of the run's own (winsorized) and that of the steps before it (from their successive
     differences, with their degrees of freedom on the doubling grid's runs) when `short` or more
     came before, else, below 2 `short` steps, at alpha / EVIDENCE_STEPS (a short run with
-    nothing to compare its spread with). The reasons are `dynmo.controller.fallback`'s: a change point searched and paid for,
-    and a run that cannot claim less noise than the steps before it showed."""
+    nothing to compare its spread with). The reasons are `dynmo.controller.fallback`'s: a change
+    point searched and paid for, and a run that cannot claim less noise than the steps before it
+    showed."""
     g = np.asarray(gains[::-1], dtype=float)  # newest first: g[:n] is the last n steps
     total = len(g)
     if total < short:

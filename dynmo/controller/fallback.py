@@ -100,7 +100,6 @@ evidence. Pure.
 
 from __future__ import annotations
 
-import math
 from statistics import fmean
 
 import numpy as np

@@ -71,9 +71,9 @@ def judge_migration(p: Pending, min_gain: float, repack_tolerance: float, steps_
     # before the migration), once for each window's fastest step, and the paired ratios' median's
     # (its standard error, 1.2533 s / sqrt(n) for a normal spread s); with one window's noise
     # alone, 2 of 8 migrations judged lost over 40 scenarios had run faster
-    noise = stdev(p.before) / fmean(p.before) if len(p.before) > 1 else 0.0
-    spread = stdev(ratios) / fmean(ratios) if n > 1 else 0.0
-    noise = math.sqrt(2 * noise**2 + (1.2533 * spread) ** 2 / max(n, 1))
+    step_noise = stdev(p.before) / fmean(p.before) if len(p.before) > 1 else 0.0
+    ratio_spread = stdev(ratios) / fmean(ratios) if n > 1 else 0.0
+    noise = math.sqrt(2 * step_noise**2 + (1.2533 * ratio_spread) ** 2 / max(n, 1))
     allowed = t_old * (1 + (repack_tolerance if p.repack else 0.0) + max(min_gain, noise))
     return Verdict(t_new > allowed, t_old, t_new)
 

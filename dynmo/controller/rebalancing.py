@@ -53,8 +53,8 @@ class Rebalancing:
             yield new, t_now, t_new
             if c.when == "auto" and len(self.history) > c.window:
                 yield self._steady_option(current, search)
-            if c.when == "auto" and self.proposal is not None:
-                yield self._standing_option(problem, current, t_now, scored)
+            if c.when == "auto" and self.proposal is not None and self.proposal[0] != new.boundaries:
+                yield self._standing_option(problem, current, t_now, scored)  # `new` itself was just judged
 
         rejected = False  # a candidate failed the margin, the repayment or the evidence
         confidence = self.confidence_now()
