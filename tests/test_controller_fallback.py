@@ -135,6 +135,16 @@ def test_two_steps_far_beyond_the_noise_move_at_once():
     assert not fallback.far_faster([0.4])
 
 
+def test_a_layout_a_rebalance_chose_is_left_after_one_step_far_beyond_the_noise():
+    """One step on which a fallback saved FAR_ONE (0.4) or more is enough to leave a layout a
+    rebalance chose (its pattern may just have ended), not one fixed before any cost was seen."""
+    assert fallback.FAR_ONE == 0.4
+    assert fallback.far_faster([0.0] * 5 + [0.45], chosen=True) == 1
+    assert not fallback.far_faster([0.0] * 5 + [0.45])
+    assert not fallback.far_faster([0.0] * 5 + [0.35], chosen=True)
+    assert fallback.far_faster([0.0] * 5 + [0.3, 0.45], chosen=True) == 2  # the two-step rule as before
+
+
 # ms per microbatch: E, 8 blocks, the head at half a block (the injected costs of configs/noisy.toml)
 INJECTED = [0.3] + [10.0] * 8 + [5.0]
 

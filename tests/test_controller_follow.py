@@ -142,3 +142,19 @@ def test_fallbacks_the_latest_steps_cannot_tell_apart_are_chosen_by_their_record
         c._record([a], [[1.0] * len(c.history)])
     rec = c.fallback_record[a.boundaries]
     assert len(rec) == fallback.RECORD_STEPS and max(rec) == c.observed - 1
+
+
+def test_the_layout_a_reversal_was_followed_into_is_left_one_step_after_it_ends():
+    """Scenario 158 at 16 stages x 8 replicas: blocks 5-13 cost a third as much from step 97 to
+    103. dynmo follows the change at step 102; from step 104 its layout runs about twice as long
+    as params, and it goes back to params after that one step (the two-step rule waited for two)."""
+    trace = scale_trace(load_trace(TRACES / "dense-120.jsonl"), 32)
+    trace = apply(trace, generate(158, len(trace.steps), 32))
+    opts = ReplayOptions(microbatches=64, balance=replay_balance(when="auto"), charge_decide=False, initial="params")
+    runner = Runner(trace, 8, opts, 16)
+    res = PolicyResult("optimal")
+    run_dynamic(trace, runner, 16, "optimal", False, opts, res)
+    start = res.layouts[0]
+    followed = [k for k in range(97, 104) if res.layouts[k] != start]
+    assert followed, "the reversal was not followed"
+    assert res.layouts[104] != start and res.layouts[105] == start

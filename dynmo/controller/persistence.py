@@ -52,7 +52,8 @@ def age(gains: Sequence[float]) -> int:
     return n
 
 
-# the fewest steps a way back takes: the fallbacks' two-step rule (`fallback.far_faster`)
+# the steps a way back takes: the fallbacks' two-step rule (`fallback.far_faster`; one step only
+# for a layout 5/3 times as slow as a fallback)
 BACK_STEPS = 2
 
 
