@@ -69,13 +69,13 @@ class MemoRunner(Runner):
 
 def one(job: tuple) -> dict:
     """Scenario `seed` on trace `path` at `shape`: per variant and start, whole and second-half ratios."""
-    seed, path, shape, variants = job
+    seed, path, shape, variants, knobs = job
     stages, dp, blocks, m = SHAPES[shape]
     trace = scale_trace(load_trace(path), blocks)
     sc = None if seed is None else generate(seed, len(trace.steps), blocks)  # None: the trace as committed
     if sc is not None:
         trace = apply(trace, sc)
-    opts = ReplayOptions(microbatches=m, balance=replay_balance(when="auto"), charge_decide=False)
+    opts = ReplayOptions(microbatches=m, balance=replay_balance(when="auto", **knobs), charge_decide=False)
     runner = MemoRunner(trace, dp, opts, stages)
     static, layouts = {}, {}
     for name in STARTS:
@@ -84,7 +84,7 @@ def one(job: tuple) -> dict:
         run_static(trace, runner, layouts[name], static[name])
     best_half = min(static[n].second_half_s for n in STATIC)
     out = {"seed": seed, "trace": Path(path).stem, "shape": shape, "scenario": sc.describe() if sc else "as committed",
-           "runs": {}}
+           "knobs": knobs, "runs": {}}
     for variant in variants:
         done: dict[tuple, PolicyResult] = {}  # starts on the same layout decide the same (no decide time)
         for start in STARTS:
@@ -134,15 +134,16 @@ def verdict(results: list[dict], variant: str) -> list[str]:
     return out
 
 
-def committed(folder: Path, variants: tuple[str, ...], workers: int) -> int:
+def committed(folder: Path, variants: tuple[str, ...], workers: int, knobs: dict) -> int:
     """Every committed trace as it is, from every start: whole, second half against the best static
     layout, migrations, per variant (the check that the fallbacks change nothing they should not)."""
-    jobs = [(None, str(p), shape, variants) for p in sorted(folder.glob("*.jsonl"))
+    jobs = [(None, str(p), shape, variants, knobs) for p in sorted(folder.glob("*.jsonl"))
             for shape in ["24x30"] + (["16x8"] if p.stem.startswith(MOE_FAMILY) else [])]
     if not jobs:
         print(f"replay_scenarios: no traces in {folder}", file=sys.stderr)
         return 2
-    print("python benchmarks/replay_scenarios.py --committed" + (" --compare" if len(variants) > 1 else "") + "\n")
+    print("python benchmarks/replay_scenarios.py --committed" + (" --compare" if len(variants) > 1 else "")
+          + knob_flags(knobs) + "\n")
     print("| trace | shape | " + " | ".join(f"from {s}: whole, second half vs best static, migrations" for s in STARTS)
           + " |")
     print("|---|---|" + "---|" * len(STARTS))
@@ -163,15 +164,21 @@ def committed(folder: Path, variants: tuple[str, ...], workers: int) -> int:
     return 0
 
 
-def kept_results(path: Path, variants: tuple[str, ...]) -> dict[tuple, dict]:
-    """The scenarios `--jsonl` already holds, by (seed, trace, shape), those with every variant asked."""
+def knob_flags(knobs: dict) -> str:
+    """The command line's part that set `knobs` (empty for the defaults)."""
+    return "".join(f" --{k} {v}" for k, v in knobs.items())
+
+
+def kept_results(path: Path, variants: tuple[str, ...], knobs: dict) -> dict[tuple, dict]:
+    """The scenarios `--jsonl` already holds, by (seed, trace, shape), those with every variant
+    asked, replayed with the same knobs."""
     if not path.exists():
         return {}
     out = {}
     for line in path.read_text().splitlines():
         if line.strip():
             r = json.loads(line)
-            if all(f"{v} {s}" in r["runs"] for v in variants for s in STARTS):
+            if r.get("knobs", {}) == knobs and all(f"{v} {s}" in r["runs"] for v in variants for s in STARTS):
                 out[(r["seed"], r["trace"], r["shape"])] = r
     return out
 
@@ -189,12 +196,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jsonl", default="",
                     help="append each scenario's ratios here as it finishes, and take those already there "
                          "(same seed, trace, shape and variants) instead of replaying them: a long run resumes")
+    ap.add_argument("--confidence", type=float, default=None,
+                    help="the controller's balance.confidence (default: the config's): what the knob does on "
+                         "dynamics nobody traced, against what it does under noise (benchmarks/bench_controller_noise.py)")
     ap.add_argument("--committed", action="store_true",
                     help="replay every committed trace as it is instead (the MoE family also on 16x8), one row each")
     args = ap.parse_args(argv)
     variants = ("before", "after") if args.compare else ("after",)
+    knobs = {} if args.confidence is None else {"confidence": args.confidence}
+    if knobs and not 0.0 < args.confidence < 1.0:
+        print(f"replay_scenarios: --confidence {args.confidence} must lie strictly between 0 and 1", file=sys.stderr)
+        return 2
     if args.committed:
-        return committed(Path(args.traces), variants, args.jobs)
+        return committed(Path(args.traces), variants, args.jobs, knobs)
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     paths = [Path(args.traces) / f"{c}.jsonl" for c in cases]
@@ -203,12 +217,12 @@ def main(argv: list[str] | None = None) -> int:
     if missing or bad or not paths or not shapes or args.count < 1:
         print(f"replay_scenarios: no such traces {missing} or shapes {bad}, or nothing to replay", file=sys.stderr)
         return 2
-    jobs = [(args.first + i, str(paths[i % len(paths)]), shapes[(i // len(paths)) % len(shapes)], variants)
+    jobs = [(args.first + i, str(paths[i % len(paths)]), shapes[(i // len(paths)) % len(shapes)], variants, knobs)
             for i in range(args.count)]
     print(f"python benchmarks/replay_scenarios.py --count {args.count} --first {args.first} --cases {','.join(cases)} "
-          f"--shapes {','.join(shapes)}" + (" --compare" if args.compare else "") + "\n")
+          f"--shapes {','.join(shapes)}" + (" --compare" if args.compare else "") + knob_flags(knobs) + "\n")
     t0 = time.perf_counter()
-    kept = kept_results(Path(args.jsonl), variants) if args.jsonl else {}
+    kept = kept_results(Path(args.jsonl), variants, knobs) if args.jsonl else {}
     results = {job[0]: kept[key] for job in jobs if (key := (job[0], Path(job[1]).stem, job[2])) in kept}
     todo = [job for job in jobs if job[0] not in results]
     with ProcessPoolExecutor(max(1, args.jobs)) as pool:
