@@ -3,7 +3,7 @@
 Produces the tables in docs/bench/controller-scenarios.md (linked from docs/controller.md).
 
     python benchmarks/replay_scenarios.py [--count 200] [--first 0] [--cases dense-60,dense-80,dense-120,dense-150]
-        [--shapes 24x30,16x8] [--compare] [--jobs 2] [--json out.json] [--jsonl resumable.jsonl]
+        [--shapes 24x30,16x8] [--compare] [--confidence 0.95] [--jobs 2] [--json out.json] [--jsonl resumable.jsonl]
     python benchmarks/replay_scenarios.py --committed [--compare]     # the committed traces as they are
 
 The committed traces hold the dynamics the shipped cases produce; dynmo's promise (never slower
