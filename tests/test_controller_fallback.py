@@ -143,6 +143,7 @@ def test_a_layout_a_rebalance_chose_is_left_after_one_step_far_beyond_the_noise(
     assert not fallback.far_faster([0.0] * 5 + [0.45])
     assert not fallback.far_faster([0.0] * 5 + [0.35], chosen=True)
     assert fallback.far_faster([0.0] * 5 + [0.3, 0.45], chosen=True) == 2  # the two-step rule as before
+    assert not fallback.far_faster([0.45], chosen=True)  # the move's first step: its warm-up
 
 
 # ms per microbatch: E, 8 blocks, the head at half a block (the injected costs of configs/noisy.toml)
