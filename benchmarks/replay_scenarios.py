@@ -197,8 +197,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="append each scenario's ratios here as it finishes, and take those already there "
                          "(same seed, trace, shape and variants) instead of replaying them: a long run resumes")
     ap.add_argument("--confidence", type=float, default=None,
-                    help="the controller's balance.confidence (default: the config's): what the knob does on "
-                         "dynamics nobody traced, against what it does under noise (benchmarks/bench_controller_noise.py)")
+                    help="the controller's balance.confidence (default: the config's): what the knob does "
+                         "on dynamics nobody traced, against what it does under noise "
+                         "(benchmarks/bench_controller_noise.py)")
     ap.add_argument("--committed", action="store_true",
                     help="replay every committed trace as it is instead (the MoE family also on 16x8), one row each")
     args = ap.parse_args(argv)

@@ -68,8 +68,9 @@ steps or more), or right after a migration a 20 times stricter level; each of th
 the margin), and a fallback that passes is moved to at once, no
 confirming steps, its saving repaying the migration; two steps on which the current layout ran
 4/3 times as long as a fallback (`fallback.FAR_GAIN`) are enough, and one step 5/3 times as
-long (`fallback.FAR_ONE`, not the move's first) where a rebalance chose the current layout; among fallbacks the latest
-steps cannot tell apart, the one with the best record over the run. The controller then searches
+long (`fallback.FAR_ONE`, not the move's first) where a rebalance chose the current layout;
+among fallbacks the latest steps cannot tell apart, the one with the best record over the run.
+The controller then searches
 from there as usual. So a layout the controller's own earlier move chose is left within a few
 steps once the costs move again and a fixed layout is clearly faster, where the window's
 optimum may keep failing its evidence. Its false-alarm rate and the measurements are in

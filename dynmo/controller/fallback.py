@@ -231,7 +231,8 @@ class Fallbacks:
         # fastest), the one of the best record over the whole run: fixed before any cost was
         # seen, their records are fair to compare, and the costs that move again tend to come back
         near = [p for p in passed if p[2] <= fastest * (1 + self.margin)]
-        lay, t_now, t_new = min(near, key=lambda p: (self._record_mean(p[0], [q[0] for q in near]), p[2]))
+        among = [p[0] for p in near]
+        lay, t_now, t_new = min(near, key=lambda p: (self._record_mean(p[0], among), p[2]))
         if self.via == "rebalance":  # a move the controller chose, undone: was it outpaced?
             loss = persistence.return_loss(now, times[options.index(lay)])
             if loss > 0:
