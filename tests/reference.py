@@ -107,6 +107,36 @@ def _run(cfg: Config, steps: int, dp: int):
     return losses, weights
 
 
+@torch.no_grad()
+def reference_val_loss(cfg: Config, weights: dict[str, torch.Tensor]) -> float:
+    """The validation loss a run reports (`Trainer.validate`, one replica) of the model with
+    `weights` (keyed as `reference_run` returns them): per validation batch the mean of its
+    microbatches' losses, then the mean over `train.eval_batches` batches."""
+    folder = prepare(cfg.data.paths, cfg.model.vocab_size, cfg.data.cache_dir, cfg.model.hf_path)
+    data = TokenData.load(folder, cfg.model.seq_len, cfg.data.val_fraction, cfg.train.seed)
+    layers = {s.name: build_layer(s, cfg.model, cfg.train.seed) for s in layer_specs(cfg.model)}
+    for name, layer in layers.items():
+        layer.load_state_dict({k[len(name) + 1:]: v for k, v in weights.items() if k.startswith(name + ".")})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        means = []
+        for b in range(cfg.train.eval_batches):
+            batch = torch.from_numpy(data.batch(b, cfg.train.global_batch, "val"))
+            x_all, y_all = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+            mb = []
+            for x, y in zip(x_all.tensor_split(cfg.train.microbatches), y_all.tensor_split(cfg.train.microbatches)):
+                out = (x,)
+                for layer in layers.values():
+                    out = layer(*out)
+                    out = out if isinstance(out, tuple) else (out,)
+                mb.append(loss_fn(out[0], y).item())
+            means.append(sum(mb) / len(mb))
+        return sum(means) / len(means)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _sq_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
     """Squared L2 norm of the gradients, in parameter order."""
     norms = [optim.grad_sq_norm(p.grad) for p in params if p.grad is not None]

@@ -8,7 +8,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.conftest import metrics, run_train
-from tests.reference import reference_run, tiny_config
+from tests.reference import reference_run, reference_val_loss, tiny_config
 
 pytestmark = pytest.mark.dist
 
@@ -104,9 +104,15 @@ def test_pipeline_times_data_parallel(tmp_path):
     ("zbv", ["--parallel.virtual_stages", "2"]),
 ])
 def test_multi_stage_schedules_match_reference(tmp_path, reference, schedule, extra):
-    run_train(tmp_path, "--steps", str(STEPS), "--parallel.schedule", schedule, *extra, "--parallel.relayout", "2:0,2,3,5,6")
-    ref_losses, _ = reference
+    """Training and the validation after the last step (the forward-only pass of a schedule
+    that trains; zbv's V hands its backward over locally and needs its plan without it)."""
+    run_train(tmp_path, "--steps", str(STEPS), "--parallel.schedule", schedule, *extra, "--parallel.relayout", "2:0,2,3,5,6",
+              "--train.eval_every", str(STEPS))
+    ref_losses, ref_weights = reference
     recs = metrics(tmp_path)
     assert [r["loss"] for r in recs] == pytest.approx(ref_losses, rel=1e-6)
+    assert [r["step"] for r in recs if r.get("val_loss") is not None] == [STEPS - 1]
+    assert recs[-1]["val_loss"] == pytest.approx(reference_val_loss(tiny_config("--train.steps", str(STEPS)), ref_weights),
+                                                 rel=1e-5)
     assert recs[2]["layout"] == [0, 2, 3, 5, 6]
     check_metric_invariants(tmp_path, recs)

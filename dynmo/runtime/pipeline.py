@@ -28,6 +28,7 @@ from dynmo.runtime.build import build_layers, build_schedule, build_stages
 from dynmo.runtime.dist import DistContext
 from dynmo.runtime.memory import PeakMemory
 from dynmo.runtime.relayout import regroup, released_ranks, replace_experts
+from dynmo.runtime.schedules import forward_only
 from dynmo.runtime.tie import tied_embeddings
 from dynmo.schedules import get_schedule, in_flight, stage_to_rank
 from dynmo.runtime.stage import TimedPipelineStage
@@ -177,7 +178,8 @@ class Pipeline:
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
         losses: list[torch.Tensor] = []
-        self.schedule.eval(inputs.to(self.ctx.device), target=targets.to(self.ctx.device), losses=losses)
+        with forward_only(self.schedule):
+            self.schedule.eval(inputs.to(self.ctx.device), target=targets.to(self.ctx.device), losses=losses)
         return float(sum(l.item() for l in losses)) / len(losses) if losses else None
 
     # ---- migration ----------------------------------------------------------------------
