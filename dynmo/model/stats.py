@@ -8,23 +8,30 @@ block changed) run under `paused()`, so they leave every layer's statistics as t
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Iterator
-
 import torch
 
 _paused = 0
 
 
-@contextmanager
-def paused() -> Iterator[None]:
-    """Forwards inside this block add nothing to any `StepStats`."""
-    global _paused
-    _paused += 1
-    try:
-        yield
-    finally:
+class Paused:
+    """Forwards inside this block add nothing to any `StepStats`. One object may be entered again
+    after it was left: torch's checkpoint enters its recomputation context once per
+    recomputation, and a zero-bubble schedule recomputes a checkpointed layer twice, for the
+    input gradient and again for the weight gradient (a generator's context runs once)."""
+
+    def __enter__(self) -> "Paused":
+        global _paused
+        _paused += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _paused
         _paused -= 1
+
+
+def paused() -> Paused:
+    """A context inside which forwards add nothing to any `StepStats` (`Paused`)."""
+    return Paused()
 
 
 def is_paused() -> bool:
