@@ -118,6 +118,32 @@ def test_activation_checkpointing_is_bitwise_and_keeps_only_inputs(family, block
     assert kept_b[1] == B * T * D * 4 + B * T  # block 1 counts the mask once
 
 
+@pytest.mark.parametrize("family", [fam for fam, f in FAMILIES.items() if "moe" in f.blocks])
+def test_the_grouped_products_first_probe_inside_a_checkpointed_block(family, monkeypatch):
+    """`grouped_mm` probes once per shape whether torch's grouped product runs; where that first
+    call falls inside a checkpointed block's forward, the probe's own tensors are not what the
+    checkpoint saved (the recomputation, which finds the answer known, must save the same: it
+    failed with "a different number of tensors was saved") nor activations the profiler counts."""
+    from dynmo.model import grouped
+
+    cfg, layers = tiny_model(family, "moe")
+    x, y = batch(cfg)
+    blocks = frozenset(range(1, len(layers) - 1))
+    monkeypatch.setattr(grouped, "_WORKS", {})  # nothing probed yet: the first forward probes
+    cold = stage(layers)
+    loss_a, grads_a = step(cold, x, y)
+    grads_a = [None if g is None else g.clone() for g in grads_a]
+    warm = stage(layers)
+    step(warm, x, y)
+    assert cold.layer_act_bytes() == warm.layer_act_bytes()
+    monkeypatch.setattr(grouped, "_WORKS", {})
+    loss_b, grads_b = step(stage(layers, recompute=blocks), x, y)
+    assert grouped._WORKS  # it did probe, inside the checkpointed forward
+    assert loss_a == loss_b
+    for a, b in zip(grads_a, grads_b):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
 def test_recomputation_is_not_counted_as_a_forward_in_step_statistics():
     cfg, layers = tiny_model("gpt", "moe")
     x, y = batch(cfg)

@@ -31,13 +31,22 @@ def _key(x: torch.Tensor, w: torch.Tensor) -> tuple:
     return x.device.type, x.dtype, w.stride(-1) == 1, w.shape[-2], w.shape[-1]
 
 
+def _keep(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def _probe(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether `_grouped_mm` runs forward and backward for x's device and dtype and w's layout and
     sizes (alignment rules differ by device): a call on 32 rows and 2 groups, once per key (a
-    failure of the backward could not be caught in the real call)."""
+    failure of the backward could not be caught in the real call). The first call may come under
+    no_grad, autocast, or inside a checkpointed block's forward: the probe's own autograd graph
+    keeps its tensors away from the caller's saved-tensor hooks (a checkpoint counts what its
+    forward saved, and the recomputation, which finds the key known, saves fewer) and from the
+    profiler's count of a layer's activations."""
     K, N = w.shape[-2:]
     try:
-        with torch.inference_mode(False), torch.enable_grad():  # the first call may come under no_grad
+        with torch.inference_mode(False), torch.enable_grad(), torch.autocast(x.device.type, enabled=False), \
+                torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
             a = torch.ones(32, K, device=x.device, dtype=x.dtype, requires_grad=True)
             b = torch.ones(2, K, N, device=x.device, dtype=x.dtype)
             b = (b if w.stride(-1) == 1 else b.transpose(1, 2).contiguous().transpose(1, 2)).requires_grad_()
