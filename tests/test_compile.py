@@ -76,6 +76,31 @@ def test_every_unit_compiles_whole_and_equals_eager(family, block, unit):
     assert counters["stats"]["unique_graphs"] >= 1  # it did compile
 
 
+@pytest.mark.parametrize("family,block", [("gpt", "mod"), ("llama", "mod"), ("gpt", "moe"), ("gpt", "hashattn")])
+def test_checkpointed_compiled_units_equal_eager_and_count_one_forward(family, block):
+    """A checkpointed unit recomputes its compiled forward with the step statistics paused; the
+    pause must not reach into the graph (a compiled guard on it made the recomputation run
+    another graph, which saved other tensors than the forward: backward failed for Mixture of
+    Depths). aot_eager: the saved tensors are the compiled graph's, as inductor's."""
+    dtype = torch.bfloat16 if block == "moe" else torch.float32
+    cfg = tiny(family, block)
+    ref, _ = stage(cfg, "block", dtype)
+    specs = layer_specs(cfg, "block")
+    layers = [build_layer(s, cfg, 0) for s in specs]
+    blocks = frozenset(range(1, len(specs) - 1))
+    got = StageModule([s.name for s in specs], layers, list(range(len(specs))), dtype=dtype, recompute=blocks)
+    for layer in layers:
+        compile_unit(layer, dtype, backend="aot_eager")
+    tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        for layer in layers:
+            getattr(layer, "reset_stats", lambda: None)()
+        a, b = loss_and_grads(ref, tokens), loss_and_grads(got, tokens)
+        assert all(layers[i]._stats.forwards == 1 for i in blocks)  # the recomputation counts none
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y)
+
+
 def test_a_unit_built_later_reuses_the_compiled_code():
     """Blocks of one class with the same settings share one graph, and a block built afterwards
     (what a migration hands a rank) runs without compiling again; the state dict is unchanged."""

@@ -8,49 +8,64 @@ block changed) run under `paused()`, so they leave every layer's statistics as t
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 _paused = 0
+_live: "weakref.WeakSet[StepStats]" = weakref.WeakSet()  # every StepStats alive, for `Paused`
 
 
 class Paused:
-    """Forwards inside this block add nothing to any `StepStats`. One object may be entered again
-    after it was left: torch's checkpoint enters its recomputation context once per
-    recomputation, and a zero-bubble schedule recomputes a checkpointed layer twice, for the
-    input gradient and again for the weight gradient (a generator's context runs once)."""
+    """Forwards inside this block leave every `StepStats` as it was. The forwards still add (a
+    layer's code is the same paused or not), and leaving the block restores what every
+    `StepStats` held on entering it: a compiled unit's graph then does not depend on the pause
+    (a check of a global flag inside the forward made the compiler guard on it, so a checkpoint's
+    recomputation ran another graph than the forward, which saved other tensors, and backward
+    failed). One object may be entered again after it was left: torch's checkpoint enters its
+    recomputation context once per recomputation, and a zero-bubble schedule recomputes a
+    checkpointed layer twice, for the input gradient and again for the weight gradient."""
+
+    def __init__(self):
+        self._kept: list[tuple[StepStats, int, dict]] = []
 
     def __enter__(self) -> "Paused":
         global _paused
         _paused += 1
+        self._kept = [(s, s.forwards, dict(s.sums)) for s in list(_live)]  # sums are replaced, never changed in place
         return self
 
     def __exit__(self, *exc) -> None:
         global _paused
         _paused -= 1
+        for s, forwards, sums in self._kept:
+            s.forwards, s.sums = forwards, sums
+        self._kept = []
 
 
 def paused() -> Paused:
-    """A context inside which forwards add nothing to any `StepStats` (`Paused`)."""
+    """A context inside which forwards leave the `StepStats` as they were (`Paused`)."""
     return Paused()
 
 
 def is_paused() -> bool:
-    """Whether forwards now are outside training work (`paused`), e.g. a recomputation."""
+    """Whether forwards now are outside training work (`paused`), e.g. a recomputation: for
+    hooks, outside a compiled graph (the noise injector's)."""
     return _paused > 0
 
 
 class StepStats:
     """Sums of per-forward quantities since the last reset. Values are python numbers or lists,
     or tensors, summed where they are (on the device, no synchronisation per forward); the
-    metrics read them once per step (`as_numbers`)."""
+    metrics read them once per step (`as_numbers`). Each sum is replaced by a new value, never
+    changed in place, so `Paused` can keep and restore them."""
 
     def __init__(self):
         self.forwards = 0
         self.sums: dict[str, float | list[float]] = {}
+        _live.add(self)
 
     def add(self, **values) -> None:
-        if _paused:
-            return
         self.forwards += 1
         for key, v in values.items():
             if isinstance(v, list):
