@@ -101,6 +101,25 @@ def test_checkpointed_compiled_units_equal_eager_and_count_one_forward(family, b
         torch.testing.assert_close(x, y)
 
 
+def test_a_split_backward_schedule_runs_compiled_units_with_a_retained_graph(monkeypatch):
+    """The zero-bubble schedules run a unit's backward in two passes, the first with
+    retain_graph=True; a compiled backward that donates its saved buffers refuses that, so
+    compiling for such a schedule turns donation off (hash attention's block donated one)."""
+    monkeypatch.setattr(torch._functorch.config, "donated_buffer", True)  # restored after the test
+    cfg = tiny("gpt", "hashattn")
+    specs = layer_specs(cfg, "block")
+    layers = [build_layer(s, cfg, 0) for s in specs]
+    for layer in layers:
+        compile_unit(layer, torch.float32, backend="aot_eager", split_backward=True)
+    module = StageModule([s.name for s in specs], layers, list(range(len(specs))), dtype=torch.float32)
+    tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    loss = loss_fn(module(tokens), tokens)
+    params = [p for p in module.parameters()]
+    torch.autograd.grad(loss, params[:1], retain_graph=True)  # the input-gradient pass, then the rest
+    torch.autograd.grad(loss, params[1:], allow_unused=True)
+    assert torch._functorch.config.donated_buffer is False
+
+
 def test_a_unit_built_later_reuses_the_compiled_code():
     """Blocks of one class with the same settings share one graph, and a block built afterwards
     (what a migration hands a rank) runs without compiling again; the state dict is unchanged."""

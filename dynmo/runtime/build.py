@@ -16,7 +16,7 @@ from dynmo.runtime.compiled import compile_unit
 from dynmo.runtime.dist import DistContext
 from dynmo.runtime.schedules import schedule_class
 from dynmo.runtime.stage import StageModule, TimedPipelineStage, boundary_bools, example_io
-from dynmo.schedules import Schedule
+from dynmo.schedules import Schedule, get_schedule
 
 
 def build_layers(cfg: Config, device: torch.device, specs: list[LayerSpec], indices: list[int],
@@ -58,7 +58,7 @@ def build_stages(cfg: Config, ctx: DistContext, specs: list[LayerSpec], layers: 
         idx = list(layout.layers(s))
         if cfg.train.compile:  # each unit on its own; a unit compiled before (it stayed) is left as it is
             for i in idx:
-                compile_unit(layers[i], dtype, cfg.train.compile_backend)
+                compile_unit(layers[i], dtype, cfg.train.compile_backend, get_schedule(cfg.parallel.schedule).split_backward)
         first, last = s == 0, s == layout.num_stages - 1
         carry_in, carry_out = carry(idx[0] - 1), carry(idx[-1])
         module = StageModule([specs[i].name for i in idx], [layers[i] for i in idx], idx,

@@ -44,8 +44,15 @@ def is_compiled(unit: nn.Module) -> bool:
     return "forward" in vars(unit)
 
 
-def compile_unit(unit: nn.Module, dtype: torch.dtype, backend: str = "inductor") -> nn.Module:
-    """Compile `unit`'s forward in place (a no-op if it already is) and return the unit."""
+def compile_unit(unit: nn.Module, dtype: torch.dtype, backend: str = "inductor",
+                 split_backward: bool = False) -> nn.Module:
+    """Compile `unit`'s forward in place (a no-op if it already is) and return the unit.
+    `split_backward`: the schedule runs each backward in two passes, input gradient then weight
+    gradient (the zero-bubble ones), the first with retain_graph=True, which a compiled backward
+    that donates its saved buffers refuses ("compiled with non-empty donated buffers"): donation
+    is turned off for the process (its one schedule)."""
+    if split_backward and hasattr(torch._functorch.config, "donated_buffer"):
+        torch._functorch.config.donated_buffer = False
     if is_compiled(unit):
         return unit
     _raise_cache_limit()
