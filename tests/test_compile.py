@@ -120,6 +120,28 @@ def test_a_split_backward_schedule_runs_compiled_units_with_a_retained_graph(mon
     assert torch._functorch.config.donated_buffer is False
 
 
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_mixture_of_depths_blocks_of_one_capacity_share_their_graphs(family):
+    """Per-block capacities are read once before compiling: four blocks of two capacities
+    compile two graphs, not one per block (a guard on each block's index ran past the compile
+    cache's limit with half blocks and validation), and give eager's outputs."""
+    caps = [1.0, 0.5, 1.0, 0.5]
+    cfg = tiny(family, "mod", n_layers=4, mod=MoDConfig(capacities=caps))
+    specs = [s for s in layer_specs(cfg, "block") if s.index >= 1 and s.index <= 4]
+    blocks = [build_layer(s, cfg, 0) for s in specs]
+    x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(2, 32, dtype=torch.bool)
+    with torch.no_grad():
+        want = [b(x, mask)[0] for b in blocks]
+        for b in blocks:
+            compile_unit(b, torch.float32, backend="eager")
+        got = [b(x, mask)[0] for b in blocks]
+    assert [b.capacity for b in blocks] == caps
+    assert counters["stats"]["unique_graphs"] == 2
+    for a, c in zip(want, got):
+        torch.testing.assert_close(a, c, atol=0, rtol=0)
+
+
 def test_a_unit_built_later_reuses_the_compiled_code():
     """Blocks of one class with the same settings share one graph, and a block built afterwards
     (what a migration hands a rank) runs without compiling again; the state dict is unchanged."""

@@ -96,8 +96,19 @@ class MoDRouting(Halves, nn.Module):
     def feed(self, h: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    _settled: float | None = None  # the capacity read once before compiling (`before_compile`)
+
+    def before_compile(self, dtype: torch.dtype) -> None:
+        """Read the capacity once, before the graph is traced (`dynmo.runtime.compiled`): inside
+        the graph it is then a number, not `capacities[self.index]`, so the blocks of one
+        capacity share their compiled graphs (a guard on each block's index compiled one set per
+        block and ran past the compile cache's limit with per-block capacities and half blocks)."""
+        self._settled = self.capacity
+
     @property
     def capacity(self) -> float:
+        if self._settled is not None:
+            return self._settled
         caps = self.opts.capacities
         if not caps:
             return self.opts.capacity
