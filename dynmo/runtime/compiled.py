@@ -19,7 +19,8 @@ parameters and state dict, so checkpoints, migrations and optimizer state see no
   capacity, a frozen block's `requires_grad`), so its limit is raised to `CACHE_LIMIT`.
 - What a module needs settled before its graph is traced, it does in `before_compile(dtype)`,
   called here on every submodule that has one: the grouped expert matmul's capability probe
-  (`dynmo.model.grouped`; a probe cannot run inside a graph), and a block that computes only
+  (`dynmo.model.grouped`; a probe cannot run inside a graph), a Mixture-of-Depths block's
+  capacity (a number in the graph, so blocks of one capacity share it), and a block that computes only
   its active tokens (early exit), which reads how many rows to gather in a forward pre-hook,
   outside the graph, rounds them up to a multiple of seq_len / `SkipsInactive.WIDTH_BUCKETS`:
   the graph sees a Python int and compiles once per width, at most WIDTH_BUCKETS + 1 of them.
