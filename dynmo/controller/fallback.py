@@ -58,31 +58,32 @@ steps, where paying for every length took up to 14).
 
 A far larger change moves after two steps (`far_faster`): the fallback saved FAR_GAIN (a
 quarter) or more of the current layout's step time on each of the last two steps (the current
-layout ran them 4/3 times as long). One step of noise can go that far (a straggler microbatch
-on a busy core); two in a row the noise injector's do not: under `configs/noisy.toml`'s
-injected costs the largest saving a fixed layout showed on two steps in a row was 0.151 (48
-seeds x 200 steps, its slow phases and stragglers included, every split of 2 to 8 layers on the
-first stage against the shipped one; `benchmarks/bench_far_noise.py`), so FAR_GAIN stands 1.7
-times above it. Between the static layouts of the committed dense traces at the paper's shapes
-(the noise of the generated scenarios) it reached 0.200, so there FAR_GAIN stands 1.25 times
-above two steps of noise: the committed traces and the scenarios replay as measured with it
-(docs/bench/controller-scenarios.md). The large-change rule of the window's evidence needs its departure to be twice anything the
-step times showed over 100 steps; a run's own step-to-step noise (a committed trace's steps
-depart 30 to 60 %) can keep that from ever holding, where a fixed layout's gain, relative on
-the same step's costs, is free of the noise all layouts share. Where the costs move again soon
-after a move (a reversal, a hot region that moves on), every step of the wait runs the current
-layout a third or more slower than the fallback: with the threshold at 1.5 times (the window's
-`evidence.LARGE`), a layout 1.4 times as slow waited out the whole shortest run. A layout a
-rebalance chose (`via == "rebalance"`: the optimum of a noisy window, its pattern possibly just
-ended) is left after one step on which a fallback saved FAR_ONE (0.4) or more of its step time
-(it ran 5/3 times as long), the move's first step excepted (it pays the rebuilt stages' warm-
-up, which the migration judge leaves out too): the largest one-step saving any fixed layout
-showed over the shipped one under the noise injector was 0.224 (the same benchmark), so
-FAR_ONE stands 1.8 times above it (1.6 times above the dense traces' 0.254); under noise alone the controller makes no move for the rule to undo, and a
+layout ran them 4/3 times as long). One step of noise can go that far (a straggler microbatch on
+a busy core); two in a row the noise injector's do not: under `configs/noisy.toml`'s injected
+costs the largest saving a fixed layout showed on two steps in a row was 0.151 (48 seeds x 200
+steps, its slow phases and stragglers included, every split of 2 to 8 layers on the first stage
+against the shipped one; `benchmarks/bench_far_noise.py`), so FAR_GAIN stands 1.7 times above
+it. Between the static layouts of the committed dense traces at the paper's shapes (the noise of
+the generated scenarios) it reached 0.200, so there FAR_GAIN stands 1.25 times above two steps
+of noise: the committed traces and the scenarios replay as measured with it
+(docs/bench/controller-scenarios.md). The large-change rule of the window's evidence needs its
+departure to be twice anything the step times showed over 100 steps; a run's own step-to-step
+noise (a committed trace's steps depart 30 to 60 %) can keep that from ever holding, where a
+fixed layout's gain, relative on the same step's costs, is free of the noise all layouts share.
+Where the costs move again soon after a move (a reversal, a hot region that moves on), every
+step of the wait runs the current layout a third or more slower than the fallback: with the
+threshold at 1.5 times (the window's `evidence.LARGE`), a layout 1.4 times as slow waited out
+the whole shortest run. A layout a rebalance chose (`via == "rebalance"`: the optimum of a noisy
+window, its pattern possibly just ended) is left after one step on which a fallback saved
+FAR_ONE (0.4) or more of its step time (it ran 5/3 times as long), the move's first step
+excepted (it pays the rebuilt stages' warm-up, which the migration judge leaves out too): the
+largest one-step saving any fixed layout showed over the shipped one under the noise injector
+was 0.224 (the same benchmark), so FAR_ONE stands 1.8 times above it (1.6 times above the dense
+traces' 0.254); under noise alone the controller makes no move for the rule to undo, and a
 straggler beyond it on a real machine costs the migration back and the steps until the window
 follows again. A reversal that ends two steps after the move it was followed by costs one step
-of a layout twice as slow, not two (seed 158 of the scenarios: 0.970 -> 0.987 of the best
-static layout over the second half; the committed traces replay as before).
+of a layout twice as slow, not two (seed 158 of the scenarios: 0.970 -> 0.987 of the best static
+layout over the second half; the committed traces replay as before).
 
 Its false alarms. Under the test's model (independent normal per-step savings whose mean is at
 most the margin, the same spread before and during the run) one look at the fallbacks passes
