@@ -1,3 +1,4 @@
+import importlib.util
 import json
 import re
 import os
@@ -49,6 +50,15 @@ def _cache_dir(tmp_path_factory, request):
 # Failures of the launcher or of gloo's sockets on a loaded machine, not of dynmo.
 TRANSIENT = re.compile(r"Address already in use|EADDRINUSE|Connection reset by peer|Connection refused|"
                        r"RendezvousConnectionError|RendezvousTimeoutError|Socket Timeout")
+
+
+def load_benchmark(name: str):
+    """The script benchmarks/NAME.py as a module (registered, so its dataclasses find their module)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def run_train(out: Path, *args: str, nproc: int = 2, timeout: int = 300, check: bool = True,

@@ -9,6 +9,8 @@ two copies on two ranks: that is what it checks.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from dynmo.config import Config, load_config
@@ -30,17 +32,36 @@ def reference_run(cfg: Config, steps: int, dp: int = 1):
     Runs on one thread, like each rank (OMP_NUM_THREADS=1): CPU kernels may sum in another
     order with more threads, which changes the last bits.
     """
+    with _one_thread():
+        return _run(cfg, steps, dp)
+
+
+@contextmanager
+def _one_thread():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _run(cfg, steps, dp)
+        yield
     finally:
         torch.set_num_threads(threads)
 
 
-def _run(cfg: Config, steps: int, dp: int):
+def _data(cfg: Config) -> TokenData:
     folder = prepare(cfg.data.paths, cfg.model.vocab_size, cfg.data.cache_dir, cfg.model.hf_path)
-    data = TokenData.load(folder, cfg.model.seq_len, cfg.data.val_fraction, cfg.train.seed)
+    return TokenData.load(folder, cfg.model.seq_len, cfg.data.val_fraction, cfg.train.seed)
+
+
+def _forward(layers: dict, x: torch.Tensor) -> torch.Tensor:
+    """The model's output: every layer in order on the previous one's outputs."""
+    out = (x,)
+    for layer in layers.values():
+        out = layer(*out)
+        out = out if isinstance(out, tuple) else (out,)
+    return out[0]
+
+
+def _run(cfg: Config, steps: int, dp: int):
+    data = _data(cfg)
     specs = layer_specs(cfg.model)
     layers = {s.name: build_layer(s, cfg.model, cfg.train.seed) for s in specs}
     if cfg.model.tie_embeddings:
@@ -69,11 +90,7 @@ def _run(cfg: Config, steps: int, dp: int):
             mine = batch[r * per : (r + 1) * per]
             x_all, y_all = mine[:, :-1].contiguous(), mine[:, 1:].contiguous()
             for x, y in zip(x_all.tensor_split(n_mb), y_all.tensor_split(n_mb)):
-                out = (x,)
-                for layer in layers.values():
-                    out = layer(*out)
-                    out = out if isinstance(out, tuple) else (out,)
-                loss = loss_fn(out[0], y)
+                loss = loss_fn(_forward(layers, x), y)
                 loss.backward()
                 step_losses.append(loss.item())
             # a parameter no loss reaches (e.g. an unused MoD predictor) keeps no gradient, as in AdamW
@@ -112,29 +129,18 @@ def reference_val_loss(cfg: Config, weights: dict[str, torch.Tensor]) -> float:
     """The validation loss a run reports (`Trainer.validate`, one replica) of the model with
     `weights` (keyed as `reference_run` returns them): per validation batch the mean of its
     microbatches' losses, then the mean over `train.eval_batches` batches."""
-    folder = prepare(cfg.data.paths, cfg.model.vocab_size, cfg.data.cache_dir, cfg.model.hf_path)
-    data = TokenData.load(folder, cfg.model.seq_len, cfg.data.val_fraction, cfg.train.seed)
+    data = _data(cfg)
     layers = {s.name: build_layer(s, cfg.model, cfg.train.seed) for s in layer_specs(cfg.model)}
     for name, layer in layers.items():
         layer.load_state_dict({k[len(name) + 1:]: v for k, v in weights.items() if k.startswith(name + ".")})
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        means = []
+    n_mb, means = cfg.train.microbatches, []
+    with _one_thread():
         for b in range(cfg.train.eval_batches):
             batch = torch.from_numpy(data.batch(b, cfg.train.global_batch, "val"))
             x_all, y_all = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
-            mb = []
-            for x, y in zip(x_all.tensor_split(cfg.train.microbatches), y_all.tensor_split(cfg.train.microbatches)):
-                out = (x,)
-                for layer in layers.values():
-                    out = layer(*out)
-                    out = out if isinstance(out, tuple) else (out,)
-                mb.append(loss_fn(out[0], y).item())
+            mb = [loss_fn(_forward(layers, x), y).item() for x, y in zip(x_all.tensor_split(n_mb), y_all.tensor_split(n_mb))]
             means.append(sum(mb) / len(mb))
-        return sum(means) / len(means)
-    finally:
-        torch.set_num_threads(threads)
+    return sum(means) / len(means)
 
 
 def _sq_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:

@@ -6,8 +6,6 @@ Nothing here reads this machine's timing."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 import pytest
 
@@ -18,7 +16,7 @@ from dynmo.layout import Layout
 from dynmo.loop import DynmoLoop
 from dynmo.plan import layer_flops
 from dynmo.record import StepRecord
-from tests.conftest import ROOT
+from tests.conftest import ROOT, load_benchmark
 
 SHORT = fallback.short_steps(3)  # the default window's
 MARGIN = 0.01
@@ -148,19 +146,12 @@ def test_a_layout_a_rebalance_chose_is_left_after_one_step_far_beyond_the_noise(
     assert not fallback.far_faster([0.45], chosen=True)  # the move's first step: its warm-up
 
 
-def _bench_far_noise():
-    spec = importlib.util.spec_from_file_location("bench_far_noise", ROOT / "benchmarks" / "bench_far_noise.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_far_rules_stand_well_above_what_the_noise_injector_shows():
     """The reason the far rules' thresholds give, checked: under configs/noisy.toml's injected
     costs and noise (12 of the benchmark's 48 seeds), no fixed layout saves FAR_ONE / 1.7 of the
     shipped one's step time on one step, nor FAR_GAIN / 1.6 on each of two in a row; and the
     benchmark's runs of k steps are the brute force's."""
-    bench = _bench_far_noise()
+    bench = load_benchmark("bench_far_noise")
     rng = np.random.default_rng(0)
     for _ in range(50):
         x = rng.normal(0.0, 0.1, int(rng.integers(1, 30)))

@@ -1,6 +1,5 @@
 """benchmarks/gpu_check.py: its case table, arguments, FLOP count and crash bookkeeping (pure), and a
 tiny CPU run of a few cases whose report is written and whose traces replay (`dynmo simulate`)."""
-import importlib.util
 import json
 import subprocess
 import sys
@@ -10,20 +9,13 @@ import pytest
 
 from dynmo import cli
 from dynmo.config import load_config
+from tests.conftest import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-gpu_check = _load()
+gpu_check = load_benchmark("gpu_check")
 
 
 def test_cases_cover_every_family_and_dynamic_case_config():

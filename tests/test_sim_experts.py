@@ -11,6 +11,7 @@ from dynmo.engine import SimInputError
 from dynmo.sim.replay import experts as X
 from dynmo.sim.replay.expert_policies import replay_experts
 from dynmo.sim.trace import load_trace
+from tests.conftest import load_benchmark
 
 TRACES = Path(__file__).resolve().parents[1] / "docs" / "bench" / "traces"
 
@@ -178,11 +179,7 @@ def test_all_to_all_counts_only_off_rank_rows(moe):
 
 
 def _bench():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("replay_experts", TRACES.parents[2] / "benchmarks" / "replay_experts.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return load_benchmark("replay_experts")
 
 
 def test_the_benchmark_prints_a_row_per_trace_and_degree(moe, tmp_path, capsys):

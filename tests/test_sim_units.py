@@ -3,7 +3,6 @@ whole blocks (`merge_units`), scaled (`scale_trace`), checked, and replayed by t
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -18,6 +17,7 @@ from dynmo.sim.trace import (
     unit_of,
 )
 from dynmo.sim.trace.kinds import unit_kinds, unit_names
+from tests.conftest import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACES = sorted((ROOT / "docs" / "bench" / "traces").rglob("*.jsonl"))
@@ -245,9 +245,7 @@ def test_scaling_and_merging_need_the_embedding_blocks_and_head():
 
 
 def test_the_units_benchmark_replays_both_unit_kinds(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("replay_units", ROOT / "benchmarks" / "replay_units.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("replay_units")
     rng = np.random.default_rng(5)
     sublayer_trace(rng, 4, 6).write(tmp_path / "sub.jsonl")
     args = [str(tmp_path / "sub.jsonl"), "--blocks", "6", "--stages", "4", "--dp", "2", "--microbatches", "8"]

@@ -53,12 +53,13 @@ def build_stages(cfg: Config, ctx: DistContext, specs: list[LayerSpec], layers: 
         # beside (x, mask), a boundary inside a split block also ships the block's carry
         return half_carry if 0 <= unit < len(specs) and specs[unit].part == "attn" else ()
 
+    split_backward = get_schedule(cfg.parallel.schedule).split_backward  # zero bubble: two backward passes
     stages = []
     for s in mine:
         idx = list(layout.layers(s))
         if cfg.train.compile:  # each unit on its own; a unit compiled before (it stayed) is left as it is
             for i in idx:
-                compile_unit(layers[i], dtype, cfg.train.compile_backend, get_schedule(cfg.parallel.schedule).split_backward)
+                compile_unit(layers[i], dtype, cfg.train.compile_backend, split_backward)
         first, last = s == 0, s == layout.num_stages - 1
         carry_in, carry_out = carry(idx[0] - 1), carry(idx[-1])
         module = StageModule([specs[i].name for i in idx], [layers[i] for i in idx], idx,
