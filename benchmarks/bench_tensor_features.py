@@ -95,7 +95,7 @@ def uniform(sizes, nnz, seed=0):
 
 def make(kind: str, p: dict, seed: int = 0):
     if kind == "ngram":
-        from dynmo.corpus import corpus_files
+        from dynmo.data.corpus import corpus_files
         from dynmo.tensor.ngram import ngram_tensor
 
         files = [f for f in corpus_files([]) if not p.get("plays") or f.name in p["plays"]]

@@ -141,7 +141,7 @@ def speed(gentensor: Path, out: Path, big: float) -> None:
 
 
 def siblings(out: Path) -> None:
-    from dynmo.corpus import corpus_files
+    from dynmo.data.corpus import corpus_files
     from dynmo.tensor.ngram import ngram_tensor
 
     texts = [f.read_text(encoding="utf-8", errors="replace") for f in corpus_files([])]

@@ -149,7 +149,7 @@ def load_case(name: str):
     if tns.exists():
         return read_tns(tns, values=False)
     recipe = json.loads((DATA / f"{name}.recipe.json").read_text())
-    from dynmo.corpus import corpus_files
+    from dynmo.data.corpus import corpus_files
     from dynmo.tensor.ngram import ngram_tensor
 
     files = [f for f in corpus_files([]) if f.name in recipe["plays"]]

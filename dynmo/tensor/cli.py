@@ -351,7 +351,7 @@ def _dataset(args) -> int:
 
 
 def _ngram(args) -> int:
-    from dynmo.corpus import DataError, corpus_files
+    from dynmo.data.corpus import DataError, corpus_files
     from dynmo.tensor.ngram import ngram_tensor
     from dynmo.tensor.tns import write_tns
 

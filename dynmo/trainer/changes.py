@@ -20,7 +20,7 @@ from dynmo.config import Config
 from dynmo.layout import Layout
 from dynmo.loop import DynmoLoop
 from dynmo.runtime.pipeline import Pipeline
-from dynmo.trainer_setup import expert_balancer
+from dynmo.trainer.setup import expert_balancer
 
 
 class StepChanges:

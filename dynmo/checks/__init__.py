@@ -3,11 +3,11 @@
 Import-light (no torch): the launcher calls it before spawning torchrun, and every rank calls
 it again at start-up. `validate` runs the checks in order, each part in its own module:
 
-    dynmo.checks_values      every float finite, the numeric fields in range (`RANGES`, `require`)
-    dynmo.checks_parallel    schedule, pp x dp, units, sharding, expert parallelism, batch split
-    dynmo.checks_model       the model's shape, family and block options, the dynamic-model cases
-    dynmo.checks_balance     layouts, relayouts, expert placements, the `[balance]` knobs
-    dynmo.checks_data        Hugging Face weights, the run folder, the trace, the text, and the
+    dynmo.checks.values      every float finite, the numeric fields in range (`RANGES`, `require`)
+    dynmo.checks.parallel    schedule, pp x dp, units, sharding, expert parallelism, batch split
+    dynmo.checks.model       the model's shape, family and block options, the dynamic-model cases
+    dynmo.checks.balance     layouts, relayouts, expert placements, the `[balance]` knobs
+    dynmo.checks.data        Hugging Face weights, the run folder, the trace, the text, and the
                              checkpoint `checkpoint.resume` names
 
 Their names stay importable from here.
@@ -16,15 +16,15 @@ Their names stay importable from here.
 from __future__ import annotations
 
 from dynmo import hf_config, rundir
-from dynmo.checks_balance import check_balancing, check_expert_balance, check_layouts, parse_replacements
-from dynmo.checks_data import (CHECKPOINT_KEYS, MODEL_SHAPE_FIELDS, check_checkpoint, check_checkpoint_cases,
+from dynmo.checks.balance import check_balancing, check_expert_balance, check_layouts, parse_replacements
+from dynmo.checks.data import (CHECKPOINT_KEYS, MODEL_SHAPE_FIELDS, check_checkpoint, check_checkpoint_cases,
                                check_checkpoint_grow, check_checkpoint_placement, check_files, check_hf_files,
                                check_path, model_signature, read_checkpoint_meta)
-from dynmo.checks_model import (check_block_options, check_cases, check_compile, check_device_kernels, check_family,
+from dynmo.checks.model import (check_block_options, check_cases, check_compile, check_device_kernels, check_family,
                                 check_model)
-from dynmo.checks_parallel import (SHARDS, check_batch, check_expert_parallel, check_pipeline, check_shard,
+from dynmo.checks.parallel import (SHARDS, check_batch, check_expert_parallel, check_pipeline, check_shard,
                                    check_unit)
-from dynmo.checks_values import BACKENDS, RANGES, check_values, require
+from dynmo.checks.values import BACKENDS, RANGES, check_values, require
 from dynmo.config import Config
 from dynmo.plan import recompute_blocks
 

@@ -1,6 +1,6 @@
 """torchrun's elastic agent for `dynmo train`, in a process of its own:
 
-    python -m dynmo.agent RUN_FOLDER TORCHRUN-ARGS     (`dynmo train` starts it; dynmo.launch)
+    python -m dynmo.launch.agent RUN_FOLDER TORCHRUN-ARGS     (`dynmo train` starts it; dynmo.launch)
 
 It runs torchrun's own `run` on the arguments, with two differences a user sees only as speed
 and quieter failures: the workers are forked from a fork server that imported `dynmo.train`
@@ -64,7 +64,7 @@ def _short_socket_folder() -> None:
 
 
 def agent(argv: list[str]) -> int:
-    """torchrun's elastic agent, run in this process: `python -m dynmo.agent RUN_FOLDER
+    """torchrun's elastic agent, run in this process: `python -m dynmo.launch.agent RUN_FOLDER
     TORCHRUN-ARGS`, which `dynmo train` starts instead of `python -m torch.distributed.run`.
 
     torchrun reports a failed worker with its own log lines and a ChildFailedError block of
@@ -110,5 +110,5 @@ def agent(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) < 2:
-        sys.exit("usage: python -m dynmo.agent RUN_FOLDER TORCHRUN-ARGS (dynmo train starts it)")
+        sys.exit("usage: python -m dynmo.launch.agent RUN_FOLDER TORCHRUN-ARGS (dynmo train starts it)")
     sys.exit(agent(sys.argv[1:]))

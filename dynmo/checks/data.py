@@ -15,7 +15,7 @@ import tomllib
 from pathlib import Path
 
 from dynmo import hf_config
-from dynmo.checks_values import fmt
+from dynmo.checks.values import fmt
 from dynmo.config import Config, ConfigError, ModelConfig
 from dynmo.layout import Layout
 from dynmo.plan import layer_names, num_layers
