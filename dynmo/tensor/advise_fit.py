@@ -1,0 +1,126 @@
+"""Fitting the advisor: label a dataset's tensors by measuring every candidate, fit, evaluate.
+
+    dynmo tensor fit-advisor runs/advisor-train --held-out runs/advisor-test --out advisor.json
+
+Labels: for every tensor of a `dynmo tensor dataset` folder (its index.csv) or a .tns file, and
+every candidate (format x reordering), the all-mode MTTKRP seconds (each mode's median over the
+repeats, summed) at the rank and threads given, appended to `labels.csv` in the dataset's folder
+(beside a .tns file: FILE.labels.csv), so a run stopped half way goes on where it was.
+Fit: per candidate, ridge regression of log seconds on the standardized features (advise.py).
+Evaluate: on each held-out tensor, the measured time of the pick over the best candidate's; the
+geometric mean and the worst, against the best single fixed candidate.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from dynmo.tensor.advise import FEATURES, advise, tensor_inputs, vector
+
+REORDERS = ("none", "lexi", "bfs-mcs", "degree")
+RIDGE = 1e-2
+
+
+def candidates() -> list[tuple[str, str]]:
+    from dynmo.tensor.kernels import FORMATS
+
+    return [(f, r) for r in REORDERS for f in FORMATS]
+
+
+def tensor_files(source: str) -> tuple[list[Path], Path]:
+    """(the tensors of a dataset folder or one .tns, where their labels go)."""
+    p = Path(source)
+    if p.is_dir():
+        index = p / "index.csv"
+        if not index.is_file():
+            raise ValueError(f"{source}: a folder without index.csv; make it with `dynmo tensor dataset`")
+        with open(index) as fh:
+            return [p / row["file"] for row in csv.DictReader(fh)], p / "labels.csv"
+    if not p.is_file():
+        raise ValueError(f"{source}: no such file or folder")
+    return [p], p.with_name(p.name + ".labels.csv")
+
+
+def _read_labels(path: Path) -> dict[tuple[str, str, str], float]:
+    if not path.is_file():
+        return {}
+    with open(path) as fh:
+        return {(r["file"], r["format"], r["reorder"]): float(r["seconds"]) for r in csv.DictReader(fh)}
+
+
+def label(source: str, rank: int, threads: int, repeats: int, say: Callable[[str], None],
+          measure: bool = True) -> list[dict]:
+    """[{"file", "inputs", "seconds": {(format, reorder): s}}] for every tensor of `source`, measured if not yet
+    (with `measure` False: only the tensors whose every candidate is labelled already)."""
+    from dynmo.tensor.kernels import convert, set_threads, time_mttkrp
+    from dynmo.tensor.reorder import reorder
+    from dynmo.tensor.tns import read_tns
+
+    files, out = tensor_files(source)
+    done = _read_labels(out)
+    set_threads(threads)
+    rows = []
+    for f in files:
+        if not measure and any((f.name, fmt, reo) not in done for fmt, reo in candidates()):
+            continue
+        t = read_tns(f)
+        secs = {}
+        for reo in REORDERS:
+            todo = [fmt for fmt, r in candidates() if r == reo and (f.name, fmt, reo) not in done]
+            tr = reorder(t, reo)[0] if todo and reo != "none" else t
+            for fmt in todo:
+                s = sum(time_mttkrp(convert(tr, fmt), rank, list(range(t.order)), repeats))
+                done[(f.name, fmt, reo)] = s
+                new = not out.exists()
+                with open(out, "a", newline="") as fh:
+                    w = csv.writer(fh)
+                    if new:
+                        w.writerow(["file", "format", "reorder", "seconds"])
+                    w.writerow([f.name, fmt, reo, repr(s)])
+            for fmt, r in candidates():
+                if r == reo:
+                    secs[(fmt, reo)] = done[(f.name, fmt, reo)]
+        say(f"{f.name}: nnz {t.nnz}, best {min(secs, key=secs.get)} {min(secs.values()) * 1e3:.1f} ms")
+        rows.append({"file": str(f), "inputs": tensor_inputs(t), "seconds": secs})
+    return rows
+
+
+def fit(rows: list[dict], rank: int, threads: int) -> dict:
+    x = np.array([vector(r["inputs"], rank) for r in rows])
+    mean, scale = x.mean(axis=0), x.std(axis=0)
+    scale[scale == 0] = 1.0
+    z = np.hstack([np.ones((len(rows), 1)), (x - mean) / scale])
+    pen = RIDGE * len(rows) * np.eye(z.shape[1])
+    pen[0, 0] = 0.0  # the intercept is not shrunk
+    cands = []
+    for fmt, reo in candidates():
+        y = np.log([r["seconds"][(fmt, reo)] for r in rows])
+        coef = np.linalg.solve(z.T @ z + pen, z.T @ y)
+        cands.append({"format": fmt, "reorder": reo, "coef": [float(c) for c in coef]})
+    return {"version": 1, "rank": rank, "threads": threads, "features": list(FEATURES),
+            "mean": [float(v) for v in mean], "scale": [float(v) for v in scale], "candidates": cands,
+            "trained_on": len(rows)}
+
+
+def evaluate(model: dict, rows: list[dict]) -> dict:
+    """Per tensor the pick's measured time over the best's, their geometric mean and worst, and the
+    same for the best single fixed candidate."""
+    per, ratios = [], []
+    for r in rows:
+        a = advise(r["inputs"], model)
+        pick = (a["pick"]["format"], a["pick"]["reorder"])
+        best = min(r["seconds"].values())
+        ratios.append(r["seconds"][pick] / best)
+        per.append({"file": Path(r["file"]).name, "pick": "+".join(pick),
+                    "best": "+".join(min(r["seconds"], key=r["seconds"].get)), "ratio": ratios[-1]})
+    fixed = {c: math.exp(np.mean([math.log(r["seconds"][c] / min(r["seconds"].values())) for r in rows]))
+             for c in candidates()}
+    best_fixed = min(fixed, key=fixed.get)
+    return {"tensors": per, "geomean": math.exp(np.mean(np.log(ratios))), "worst": max(ratios),
+            "best_fixed": "+".join(best_fixed), "best_fixed_geomean": fixed[best_fixed],
+            "best_fixed_worst": max(r["seconds"][best_fixed] / min(r["seconds"].values()) for r in rows)}
