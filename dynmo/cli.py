@@ -15,6 +15,7 @@ VERBS = {
     "simulate": ("dynmo.sim.cli", "simulate pipeline schedules at cluster scale"),
     "export": ("dynmo.export", "write a llama/mixtral checkpoint as a Hugging Face model folder"),
     "bench": ("dynmo.bench", "headline benchmark: real 2-rank runs per case + paper-scale simulation"),
+    "data": ("dynmo.data.cli", "prepare a corpus: token shards that training reads (data.prepared)"),
     "tensor": ("dynmo.tensor.cli", "sparse tensors: features of .tns files, tensors made from text"),
 }
 # Verbs that run PyTorch check its version first. `balance` and `simulate` are pure numpy, and
