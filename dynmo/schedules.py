@@ -83,3 +83,9 @@ def in_flight(schedule: str, microbatches: int, num_stages: int, stage: int) -> 
     if get_schedule(schedule).name == "gpipe":
         return microbatches
     return min(microbatches, num_stages - stage)
+
+
+def held_microbatches(schedule: str, microbatches: int, num_stages: int) -> int:
+    """The most microbatches any stage holds (`in_flight`): the balancer's one figure for every
+    layer's activations, which a layer keeps wherever it goes."""
+    return max(in_flight(schedule, microbatches, num_stages, j) for j in range(num_stages))

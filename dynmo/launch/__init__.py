@@ -208,6 +208,10 @@ def main(argv: list[str]) -> int:
         cfg = load_config(args.config, overrides)
         from dynmo import checks  # here, not at the top: the agent imports this package and needs none of it
         notes = [note for world in worlds for note in checks.validate(cfg, world)]
+        from dynmo.checks.memory import check_memory
+
+        for world in worlds:  # the estimate against what the machine has: before anything is written
+            check_memory(cfg, world, args.nproc)
         if node == ["--standalone"]:  # with several machines, rank 0 checks the shared run folder
             rundir.check_run_folder(cfg.out, cfg.checkpoint.resume, cfg.overwrite)
     except ConfigError as e:
@@ -217,11 +221,15 @@ def main(argv: list[str]) -> int:
         print(f"dynmo: {note}", file=sys.stderr, flush=True)
     if cfg.checkpoint.resume:  # the workers resume from the checkpoint chosen here (`latest` resolved)
         overrides += ["--checkpoint.resume", cfg.checkpoint.resume]
-    # Tokenize once here, so the ranks find the cache ready.
-    from dynmo.data import DataError, prepare
+    # Prepared folders are checked (manifest, tokenizer, checksums); data.paths is tokenized once
+    # here, so the ranks find the cache ready.
+    from dynmo.data import DataError, check_prepared, prepare
 
     try:
-        prepare(cfg.data.paths, cfg.model.vocab_size, cfg.data.cache_dir, cfg.model.hf_path)
+        if cfg.data.prepared:
+            check_prepared(cfg.data.prepared, cfg.data.weights, cfg.model.vocab_size, cfg.model.hf_path)
+        else:
+            prepare(cfg.data.paths, cfg.model.vocab_size, cfg.data.cache_dir, cfg.model.hf_path)
     except DataError as e:
         print(f"dynmo train: error: {e}", file=sys.stderr)
         return 2
