@@ -22,11 +22,15 @@ from dynmo.runtime.pipeline import Pipeline
 
 
 def load_data(cfg: Config, ctx: rdist.DistContext) -> TokenData:
-    """Rank 0 tokenizes (or finds the cached tokens); every rank then loads the same folder."""
-    folder = prepare(cfg.data.paths, cfg.model.vocab_size, cfg.data.cache_dir, cfg.model.hf_path) if ctx.rank == 0 else None
+    """The `data.prepared` folders; else rank 0 prepares `data.paths` (or finds them in the cache)
+    and every rank then loads the same folder."""
+    d = cfg.data
+    if d.prepared:
+        return TokenData.load(d.prepared, cfg.model.seq_len, d.val_fraction, cfg.train.seed, d.weights or None)
+    folder = prepare(d.paths, cfg.model.vocab_size, d.cache_dir, cfg.model.hf_path) if ctx.rank == 0 else None
     obj = [str(folder) if folder else None]
     dist.broadcast_object_list(obj, src=0)
-    return TokenData.load(Path(obj[0]), cfg.model.seq_len, cfg.data.val_fraction, cfg.train.seed)
+    return TokenData.load(Path(obj[0]), cfg.model.seq_len, d.val_fraction, cfg.train.seed)
 
 
 def read_saved(cfg: Config) -> dict:
