@@ -248,10 +248,11 @@ def test_data_is_tokenized_with_the_folders_tokenizer(tmp_path, hf_dirs):
     text.write_text(TEXT)
     folder = prepare([str(text)], 512, str(tmp_path / "cache"), hf_path=str(hf_dirs["llama"]))
     tok = Tokenizer.from_file(str(hf_dirs["llama"] / "tokenizer.json"))
-    assert np.load(folder / "tokens.npy").tolist() == tok.encode(TEXT).ids
+    eos = tok.token_to_id("</s>")  # tokenizer_config.json's eos_token ends every document
+    assert np.fromfile(folder / "shard-00000.bin", dtype=np.uint16).tolist() == tok.encode(TEXT).ids + [eos]
     assert tok.encode(TEXT).ids[0] == 0  # the document starts with <s>
     assert prepare([str(text)], 512, str(tmp_path / "cache"), hf_path=str(hf_dirs["llama"])) == folder
-    with pytest.raises(DataError, match="more than the model's vocab_size 100"):
+    with pytest.raises(DataError, match="more than model.vocab_size 100"):
         prepare([str(text)], 100, str(tmp_path / "cache2"), hf_path=str(hf_dirs["llama"]))
 
 
@@ -370,7 +371,7 @@ def test_train_with_lr_0_then_export_gives_the_checkpoint_back(tmp_path, hf_dirs
     # the data went through the folder's tokenizer.json (cached by its content), not a trained BPE
     ours = (hf_dirs[kind] / "tokenizer.json").read_bytes()
     cache = Path(os.environ["DYNMO_CACHE"])
-    assert any((f / "tokenizer.json").read_bytes() == ours for f in cache.glob("corpus-hf-*"))
+    assert any((f / "tokenizer.json").read_bytes() == ours for f in cache.glob("prepared-*"))
     exported = tmp_path / "hf"
     p = dynmo_cli("export", str(out / "checkpoint-final"), "--hf", str(exported))
     assert p.returncode == 0, p.stderr
