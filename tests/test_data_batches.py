@@ -127,3 +127,23 @@ def test_prepared_folders_are_checked(two, tmp_path):
     (bad / "shard-00001.bin").write_bytes(bytes(blob[:-2]))
     with pytest.raises(DataError, match="truncated or damaged"):
         TokenData.load(bad, seq_len=16, val_fraction=0.05, seed=0)
+
+
+@pytest.mark.dist
+def test_training_on_a_blend_resumes_onto_the_same_windows(two, tmp_path):
+    """4 steps on a 3:1 blend of two prepared folders, then steps 2 and 3 again, resumed from its
+    step-2 checkpoint: the same losses step by step (the same windows, the same updates)."""
+    from tests.conftest import run_train
+
+    a, b, _ = two
+    blend = ["--data.prepared", f"{a};{b}", "--data.weights", "3;1", "--model.vocab_size", "512",
+             "--train.steps", "4", "--balance.when", "never", "--model.seq_len", "16"]
+    whole = tmp_path / "whole"
+    run_train(whole, *blend, "--checkpoint.every", "2")
+    ckpt = min((p for p in whole.iterdir() if p.name.startswith("checkpoint")), key=lambda p: p.name)
+    run_train(tmp_path / "resumed", *blend, "--checkpoint.resume", str(ckpt))
+
+    def losses(out: Path) -> dict[int, float]:
+        return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+
+    assert losses(tmp_path / "resumed") == {s: v for s, v in losses(whole).items() if s >= 2}
