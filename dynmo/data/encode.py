@@ -1,10 +1,13 @@
 """One worker of `dynmo data prepare`: it reads the whole document stream and encodes its shards.
 
 The stream is cut into shards by the documents' sizes alone: a shard closes after the document
-that takes it to `shard_bytes` of input. Shard j belongs to worker j mod `workers`, so which
-documents land in which shard, and so every byte written, is the same for any number of
-workers. A worker reads past the other workers' documents without decoding them, skips shards
-an earlier run finished (their .json is there), and encodes its own in batches of about
+that takes it to `shard_bytes` of input, so which documents land in which shard, and so every
+byte written, is the same for any number of workers. A worker that reaches the start of a shard
+no one has claimed claims it (it creates the shard's .part file, exclusively) and encodes it;
+it reads past the others' documents without decoding them: while one worker encodes a shard,
+the next one reaching a free shard takes it, so the work spreads evenly whatever the shards'
+count. A worker skips shards an earlier run finished (their .json is there) and encodes its own
+in batches of about
 `batch_bytes` of text, appending each batch's ids to the shard's file: its memory is the batch's,
 whatever the corpus' size.
 """
@@ -56,8 +59,13 @@ def run(job: Job, report: Callable[[Tally], None] = lambda t: None) -> int:
     batch_size = 0
     last = time.monotonic()
 
-    def mine(j: int) -> bool:
-        return j % job.workers == job.worker and not (job.out / f"{shard_name(j)}.json").exists()
+    def claim(j: int) -> ShardWriter | None:
+        if (job.out / f"{shard_name(j)}.json").exists():
+            return None
+        try:
+            return ShardWriter(job.out, j, dtype)
+        except FileExistsError:  # another worker's
+            return None
 
     def flush() -> None:
         nonlocal batch, batch_size
@@ -67,12 +75,10 @@ def run(job: Job, report: Callable[[Tally], None] = lambda t: None) -> int:
             tally.docs += len(docs)
         batch, batch_size = [], 0
 
-    own = mine(0)
+    writer = claim(0)
     try:
         for rec in records(job.files, job.field, progress):
-            if own:
-                if writer is None:
-                    writer = ShardWriter(job.out, shard, dtype)
+            if writer is not None:
                 text = rec.text()
                 batch.append(text)
                 batch_size += len(text)
@@ -80,18 +86,17 @@ def run(job: Job, report: Callable[[Tally], None] = lambda t: None) -> int:
                     flush()
             filled += rec.size
             if filled >= limit:  # this document closes the shard
-                if own:
+                if writer is not None:
                     flush()
                     writer.finish({"input_bytes": filled})
-                    writer = None
                 shard, limit, filled = shard + 1, job.shard_bytes, 0
-                own = mine(shard)
+                writer = claim(shard)
             now = time.monotonic()
             if now - last > PROGRESS_EVERY_S:
                 tally.read, last = progress[0], now
                 report(tally)
         if filled:  # the last shard, cut short by the stream's end
-            if own:
+            if writer is not None:
                 flush()
                 writer.finish({"input_bytes": filled})
                 writer = None

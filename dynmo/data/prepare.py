@@ -30,7 +30,7 @@ from dynmo.data.shards import shard_name, token_dtype
 from dynmo.data.sources import SourceFile, check_first, records, source_files
 from dynmo.data.tokenizer import TokenizerInfo, from_file, resolve, tokenizer_hash
 
-OWN_FILES = re.compile(r"^(plan\.json|tokenizer\.json|manifest\.json|shard-\d{5}\.(bin|idx|json))(\.part)?$")
+OWN_FILES = re.compile(r"^(plan\.json|tokenizer\.json|manifest\.json|shard-\d{5}\.(bin|idx|json|claim))(\.part)?$")
 PROCESS_BYTES = 160 << 20  # a worker's own memory (interpreter, numpy, the tokenizer), before its batch
 BYTES_PER_TEXT_BYTE = 120  # what encode_batch holds per byte of text (ids, offsets, token strings)
 
@@ -107,16 +107,21 @@ def prepare_folder(sources: list[str], tokenizer: str, out: str, field: str = "t
             (folder / TOKENIZER).write_text(info.blob, encoding="utf-8")
         elif not (folder / TOKENIZER).is_file():
             (folder / TOKENIZER).write_text(info.blob, encoding="utf-8")
-        for part in folder.glob("*.part"):  # a killed run's unfinished files
-            part.unlink()
+        _clear(folder)  # a killed run's unfinished files and claims
         jobs = [encode.Job(folder, files, field, info.blob, info.eos, info.vocab_size, shard_bytes, size, w, workers)
                 for w in range(workers)]
         n = _run(jobs, sum(f.size for f in files), quiet)
+        _clear(folder)
     except DataError:
         if created:
             shutil.rmtree(folder, ignore_errors=True)
         raise
     return _finish(folder, plan, info, n)
+
+
+def _clear(folder: Path) -> None:
+    for path in [*folder.glob("*.part"), *folder.glob("*.claim")]:
+        path.unlink()
 
 
 def _finish(folder: Path, plan: dict, info: TokenizerInfo, n: int) -> dict:

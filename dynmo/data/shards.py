@@ -8,8 +8,9 @@
     shard-NNNNN.json   its figures and the SHA-256 of both files; written last, by a rename, so
                        a shard without it is unfinished work and is never read
 
-`ShardWriter` appends the ids batch by batch to a temporary file, so a shard never sits in
-memory; `finish` renames the .bin, then the .idx, then the .json into place.
+`ShardWriter` claims a shard by creating its .claim file (exclusively: one worker per shard),
+appends the ids to it batch by batch, so a shard never sits in memory, and `finish` renames the
+.bin, then the .idx, then the .json into place.
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ class ShardWriter:
         self.folder, self.name, self.dtype = folder, shard_name(index), np.dtype(dtype)
         self.lengths: list[int] = []
         self.hash = hashlib.sha256()
+        # FileExistsError: another worker has claimed this shard (the claim stays until the run ends)
+        open(folder / f"{self.name}.claim", "xb").close()
         self.tmp = folder / f"{self.name}.bin.part"
         self.file = open(self.tmp, "wb")
 
