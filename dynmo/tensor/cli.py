@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 from dynmo.jsonio import ArgumentParser, InputError, fail, parse_args
+from dynmo.tensor import budget
 from dynmo.tensor import cli_advise, cli_args, cli_kernels
 
 PROG = "dynmo tensor"
@@ -259,6 +260,8 @@ def _features(args) -> int:
     for path, flag in ((args.json, "--json"), (args.csv, "--csv"), (args.plot, "--plot")):
         _check_out(path, args.overwrite, flag)
     tmp = _tmp_dir(args)
+    if not args.dask:
+        budget.check_read(args.file, args.memory_gb, tmp)  # memory and disk, before any work
     total = os.path.getsize(args.file) if os.path.isfile(args.file) else 0
     prog = _Progress(args.quiet or total <= PROGRESS_BYTES)
     prog.say(f"reading {args.file} ({total / 2**20:.0f} MB)")
@@ -319,6 +322,7 @@ def _convert(args) -> int:
     tmp = Path(args.tmp) if args.tmp else Path(args.out).resolve().parent
     if not tmp.is_dir() or not os.access(tmp, os.W_OK):
         raise InputError(f"--tmp {tmp}: not a folder this process can write to")
+    budget.check_read(args.file, args.memory_gb, str(tmp), out=args.out)  # memory and disk, before any work
     t0 = time.perf_counter()
     try:
         nnz, dims = convert_to_parquet(args.file, args.out, args.memory_gb, str(tmp), sizes_=sizes, header=args.header)
@@ -344,7 +348,8 @@ def _dataset(args) -> int:
             raise InputError(f"--like {like}: no such file")
     try:
         text = grid.read_text()
-        jobs(load_grid(text, args.grid), args.like)  # every point planned before anything is written
+        todo = jobs(load_grid(text, args.grid), args.like)  # every point planned before anything is written
+        budget.check_dataset(todo, args.out)  # memory and disk, before anything is written
         if out.exists() and not out.is_dir():
             raise InputError(f"--out {args.out}: is a file; give a folder")
         if out.is_dir() and any(out.iterdir()) and not (out / "grid.toml").exists():
@@ -393,6 +398,7 @@ def _generate(args) -> int:
     _check_out(args.out, args.overwrite, "--out")
     req = Request(sizes, args.density, args.slice_density, args.fiber_density, args.cv_fibers_per_slice,
                   args.cv_nnz_per_fiber, args.seed, args.values)
+    budget.check_generate(req, args.memory_gb, args.out)  # memory and disk, before any work
     t0 = time.perf_counter()
     if args.memory_gb is not None:
         from dynmo.tensor.stream import generate_to

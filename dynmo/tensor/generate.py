@@ -124,8 +124,10 @@ def cv_range(n: int, total: int, hi: int) -> tuple[float, float]:
     # as spread as they get: as many at hi as fit, the rest at 1, one in between
     k = (total - n) // (hi - 1) if hi > 1 else 0
     rest = total - k * hi - (n - k - 1) if k < n else 0
-    vals = np.array([hi] * k + ([rest] if k < n else []) + [1] * max(0, n - k - 1), dtype=np.float64)
-    return lo, _cv(vals)
+    # their cv in exact integers (no array of n counts: n may be far beyond memory)
+    ones = max(0, n - k - 1)
+    count, s1, s2 = k + ones + (k < n), k * hi + rest + ones, k * hi * hi + rest * rest + ones
+    return lo, math.sqrt(max(0, s2 * count - s1 * s1)) / s1 if s1 > 0 else 0.0
 
 
 def _shaped(z: np.ndarray, sigma: float, total: int, hi: int) -> np.ndarray:
