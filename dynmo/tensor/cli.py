@@ -38,6 +38,8 @@ from pathlib import Path
 from dynmo.jsonio import ArgumentParser, InputError, fail, parse_args
 from dynmo.tensor import budget
 from dynmo.tensor import cli_advise, cli_args, cli_kernels
+from dynmo.tensor.cli_args import check_out as _check_out
+from dynmo.tensor.cli_args import write as _write
 
 PROG = "dynmo tensor"
 PROGRESS_BYTES = 16 << 20  # files above this report progress on stderr
@@ -185,25 +187,6 @@ def _parser() -> ArgumentParser:
     cli_kernels.add_commands(sub, _command)
     cli_advise.add_commands(sub, _command)
     return ap
-
-
-def _check_out(path: str | None, overwrite: bool, flag: str) -> None:
-    if not path:
-        return
-    p = Path(path)
-    if p.is_dir():
-        raise InputError(f"{flag} {path}: is a folder; give a file name")
-    if p.exists() and not overwrite:
-        raise InputError(f"{flag} {path} exists; pass --overwrite to replace it, or choose another name")
-    if not p.parent.is_dir():
-        raise InputError(f"{flag} {path}: the folder {str(p.parent)!r} does not exist")
-
-
-def _write(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
 
 
 def _sizes(text: str | None) -> tuple[int, ...] | None:

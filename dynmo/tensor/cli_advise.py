@@ -49,10 +49,9 @@ def add_commands(sub, command) -> None:
 def advise_cmd(args) -> int:
     from dynmo.jsonio import dumps, read_json
     from dynmo.tensor.advise import AdviseError, advise, json_inputs, load_model, tensor_inputs
-    from dynmo.tensor.cli import _check_out, _write
     from dynmo.tensor.cli_kernels import read
 
-    _check_out(args.json, args.overwrite, "--json")
+    cli_args.check_out(args.json, args.overwrite, "--json")
     t0 = time.perf_counter()
     try:
         model = load_model(args.model)
@@ -71,7 +70,7 @@ def advise_cmd(args) -> int:
         print(f"  {c['format']:<6} {c['reorder']:<8} {c['predicted_seconds'] * 1e3:10.3f} ms predicted")
     print(f"(features and prediction in {secs * 1e3:.1f} ms)")
     if args.json:
-        _write(args.json, dumps({"pick": a["pick"], "candidates": a["candidates"], "reason": a["reason"]},
+        cli_args.write(args.json, dumps({"pick": a["pick"], "candidates": a["candidates"], "reason": a["reason"]},
                                 indent=1) + "\n")
     return 0
 
@@ -81,9 +80,8 @@ def fit_cmd(args) -> int:
 
     from dynmo.jsonio import dumps
     from dynmo.tensor.advise_fit import evaluate, fit, label, tensor_files
-    from dynmo.tensor.cli import _check_out, _write
 
-    _check_out(args.out, args.overwrite, "--out")
+    cli_args.check_out(args.out, args.overwrite, "--out")
     if not 1 <= args.rank <= 1000 or args.threads < 1 or not 1 <= args.repeats <= 100:
         raise InputError("--rank 1 to 1000, --threads 1 or more, --repeats 1 to 100")
     try:
@@ -104,7 +102,7 @@ def fit_cmd(args) -> int:
         report["held_out"] = evaluate(model, held)
     model["accuracy"] = {k: {x: v[x] for x in ("geomean", "worst", "best_fixed", "best_fixed_geomean",
                                               "best_fixed_worst")} for k, v in report.items()}
-    _write(args.out, dumps(model, indent=1) + "\n")
+    cli_args.write(args.out, dumps(model, indent=1) + "\n")
     for k, v in report.items():
         print(f"{k}: {len(v['tensors'])} tensors; pick / best: geomean {v['geomean']:.3f}, worst {v['worst']:.3f}; "
               f"best fixed ({v['best_fixed']}): geomean {v['best_fixed_geomean']:.3f}, worst {v['best_fixed_worst']:.3f}")

@@ -133,7 +133,6 @@ def prepare(t, fmt: str, reorder: str, dtype: str, memory_gb: float | None):
 def mttkrp_cmd(args) -> int:
     from dynmo.tensor.kernels import FORMATS, set_threads, time_mttkrp
 
-    from dynmo.tensor.cli import _check_out, _write
 
     _check_choices(args, FORMATS)
     if not 1 <= args.rank <= 1000:
@@ -146,7 +145,7 @@ def mttkrp_cmd(args) -> int:
         raise InputError(f"--memory-gb {args.memory_gb}: give a positive number of GB")
     if args.mode != "all" and not args.mode.isdigit():
         raise InputError(f"--mode {args.mode}: give a mode number (0-based) or all")
-    _check_out(args.json, args.overwrite, "--json")
+    cli_args.check_out(args.json, args.overwrite, "--json")
     t = read(args.file, args.header)
     if args.mode != "all" and int(args.mode) >= t.order:
         raise InputError(f"--mode {args.mode}: the tensor has modes 0 to {t.order - 1}")
@@ -168,25 +167,24 @@ def mttkrp_cmd(args) -> int:
                "dtype": args.dtype, "repeats": args.repeats, "nnz": t.nnz,
                "modes": [{"mode": m, "seconds": s} for m, s in zip(modes, secs)],
                "convert_seconds": convert_s, "bytes_per_nnz": per_nnz}
-        _write(args.json, dumps(doc, indent=1) + "\n")
+        cli_args.write(args.json, dumps(doc, indent=1) + "\n")
     return 0
 
 
 def reorder_cmd(args) -> int:
     from pathlib import Path
 
-    from dynmo.tensor.cli import _check_out
     from dynmo.tensor.reorder import METHODS, perm_paths, reorder, write_perms
     from dynmo.tensor.tns import write_tns
 
     if args.method not in METHODS:
         raise InputError(f"--method {args.method}: give {', '.join(METHODS)}")
-    _check_out(args.out, args.overwrite, "--out")
+    cli_args.check_out(args.out, args.overwrite, "--out")
     if Path(args.out).resolve() == Path(args.file).resolve():
         raise InputError(f"--out {args.out}: is the input; give another name")
     t = read(args.file, args.header)
     for p in perm_paths(args.out)[:t.order]:
-        _check_out(str(p), args.overwrite, "--out's permutation")
+        cli_args.check_out(str(p), args.overwrite, "--out's permutation")
     t0 = time.perf_counter()
     new, perms = reorder(t, args.method, args.seed)
     secs = time.perf_counter() - t0
@@ -198,7 +196,6 @@ def reorder_cmd(args) -> int:
 
 
 def cp_cmd(args) -> int:
-    from dynmo.tensor.cli import _check_out, _write
     from dynmo.tensor.cp import cp_als
     from dynmo.tensor.kernels import FORMATS
 
@@ -209,7 +206,7 @@ def cp_cmd(args) -> int:
         raise InputError(f"--rank {args.rank}: give 1 to 1000")
     if not 1 <= args.iters <= 10_000:
         raise InputError(f"--iters {args.iters}: give 1 to 10000")
-    _check_out(args.json, args.overwrite, "--json")
+    cli_args.check_out(args.json, args.overwrite, "--json")
     t = read(args.file, args.header)
     fmt, reorder, why, lay, perms, prep = "numpy", "none", "", None, None, 0.0
     if args.format != "numpy":
@@ -234,7 +231,7 @@ def cp_cmd(args) -> int:
     if args.json:
         from dynmo.jsonio import dumps
 
-        _write(args.json, dumps({"file": args.file, "order": t.order, "sizes": list(t.sizes), "nnz": t.nnz,
+        cli_args.write(args.json, dumps({"file": args.file, "order": t.order, "sizes": list(t.sizes), "nnz": t.nnz,
                                  "rank": args.rank, "format": fmt, "reorder": reorder, "fits": res.fits,
                                  "seconds": res.seconds, "seconds_per_iter": med,
                                  "mttkrp_seconds_per_mode": per_mode}, indent=1) + "\n")
