@@ -6,10 +6,13 @@ them). Level L holds one node per distinct prefix of the sorted coordinates: its
 Levels are stored one after another in one array each, with offsets, so one compiled kernel
 serves any order.
 
-Mode n's MTTKRP walks each root slice depth first: a leaf adds value x A_leaf[row] into its
-parent's accumulator; a finished inner node multiplies its accumulator by its own factor row
-and adds it into its parent's; the root's sum is the output row. Tasks own runs of root slices,
-so every output row is written once, by one task, in one order.
+Mode n's MTTKRP walks each root slice depth first. The last two levels are fused, as SPLATT
+does: a fiber sums value x A_leaf[row] over its leaves into one rank-long buffer, then adds that
+times its own row into its parent's accumulator; a finished node above multiplies its
+accumulator by its own row and adds it into its parent's; the root's sum is written to the
+output row once. The buffers are allocated once per task, the rank is the innermost loop over
+C-ordered factor rows. Tasks own runs of root slices, so every output row is written once, by
+one task, in one order; only the rows of empty root slices are zeroed apart.
 """
 
 from __future__ import annotations
@@ -53,10 +56,13 @@ class Tree:
         leaf_ptr = np.append(starts[0], nnz).astype(np.int64)  # nonzeros under each root, as prefix sums
         self.bounds = tasks(leaf_ptr)
         self.roots = roots
+        present = np.zeros(sizes[root], dtype=bool)
+        present[s[0, starts[0]]] = True
+        self.empty = np.flatnonzero(~present)  # the root mode's empty slices: output rows of zeros
 
     @property
     def nbytes(self) -> int:
-        return int(self.fids.nbytes + self.fptr.nbytes + self.values.nbytes + self.bounds.nbytes)
+        return int(self.fids.nbytes + self.fptr.nbytes + self.values.nbytes + self.bounds.nbytes + self.empty.nbytes)
 
 
 class CSF:
@@ -72,7 +78,7 @@ class CSF:
 
     def mttkrp(self, f: np.ndarray, offsets: np.ndarray, mode: int, out: np.ndarray) -> None:
         t = self.trees[mode]
-        out[:] = 0
+        out[t.empty] = 0  # rows without a root slice; every other row is written whole
         _csf_root(t.modes, t.fids, t.fids_off, t.fptr, t.fptr_off, t.values, t.bounds, f, offsets, out)
 
 
@@ -81,40 +87,65 @@ def _csf_root(modes, fids, fids_off, fptr, fptr_off, vals, bounds, f, offs, out)
     order = modes.size
     rank = f.shape[1]
     leaf = order - 1
-    leaf_off = fids_off[leaf]
-    leaf_row = offs[modes[leaf]]
+    fib = order - 2  # the fibers' level, just above the leaves: fused with them
+    leaf_off, leaf_row = fids_off[leaf], offs[modes[leaf]]
+    fib_off, fib_row, fib_ptr = fids_off[fib], offs[modes[fib]], fptr_off[fib]
     for t in prange(bounds.size - 1):
-        acc = np.zeros((order, rank), dtype=out.dtype)
-        idx = np.zeros(order, dtype=np.int64)
-        end = np.zeros(order, dtype=np.int64)
+        acc = np.empty((max(1, fib), rank), dtype=out.dtype)  # acc[l]: the open node of level l's sum
+        tmp = np.empty(rank, dtype=out.dtype)  # one fiber's sum over its leaves
+        idx = np.empty(order, dtype=np.int64)
+        end = np.empty(order, dtype=np.int64)
         for root in range(bounds[t], bounds[t + 1]):
-            acc[0, :] = 0
-            idx[1] = fptr[fptr_off[0] + root]
-            end[1] = fptr[fptr_off[0] + root + 1]
-            level = 1
+            for r in range(rank):
+                acc[0, r] = 0.0
+            level = 0
+            idx[0] = root
             while True:
-                if idx[level] == end[level]:
-                    if level == 1:
-                        break
-                    level -= 1  # the node idx[level] is finished: scale by its row, add to its parent
+                if level < fib - 1:  # open the next node one level down
+                    node = idx[level]
+                    level += 1
+                    idx[level] = fptr[fptr_off[level - 1] + node]
+                    end[level] = fptr[fptr_off[level - 1] + node + 1]
+                    for r in range(rank):
+                        acc[level, r] = 0.0
+                    continue
+                # the fibers under the open node of level fib - 1 (under the root itself when fib is 0)
+                if fib == 0:
+                    qa, qb = root, root + 1
+                else:
+                    qa, qb = fptr[fptr_off[level] + idx[level]], fptr[fptr_off[level] + idx[level] + 1]
+                for q in range(qa, qb):
+                    j0, j1 = fptr[fib_ptr + q], fptr[fib_ptr + q + 1]
+                    v = vals[j0]
+                    row = leaf_row + fids[leaf_off + j0]
+                    for r in range(rank):
+                        tmp[r] = v * f[row, r]
+                    for j in range(j0 + 1, j1):
+                        v = vals[j]
+                        row = leaf_row + fids[leaf_off + j]
+                        for r in range(rank):
+                            tmp[r] += v * f[row, r]
+                    if fib == 0:
+                        for r in range(rank):
+                            acc[0, r] += tmp[r]
+                    else:
+                        row = fib_row + fids[fib_off + q]
+                        for r in range(rank):
+                            acc[fib - 1, r] += tmp[r] * f[row, r]
+                # close finished nodes upward: scale by their own row, add into the parent
+                while level > 0:
                     node = idx[level]
                     row = offs[modes[level]] + fids[fids_off[level] + node]
                     for r in range(rank):
                         acc[level - 1, r] += acc[level, r] * f[row, r]
                     idx[level] += 1
-                elif level == leaf:
-                    for j in range(idx[level], end[level]):
-                        v = vals[j]
-                        row = leaf_row + fids[leaf_off + j]
+                    if idx[level] < end[level]:
                         for r in range(rank):
-                            acc[level - 1, r] += v * f[row, r]
-                    idx[level] = end[level]
-                else:
-                    node = idx[level]
-                    acc[level, :] = 0
-                    idx[level + 1] = fptr[fptr_off[level] + node]
-                    end[level + 1] = fptr[fptr_off[level] + node + 1]
-                    level += 1
-            out_row = fids[fids_off[0] + root]
+                            acc[level, r] = 0.0
+                        break
+                    level -= 1
+                if level == 0:
+                    break
+            out_row = fids[root]
             for r in range(rank):
                 out[out_row, r] = acc[0, r]
