@@ -6,7 +6,11 @@ Labels: for every tensor of a `dynmo tensor dataset` folder (its index.csv) or a
 every candidate (format x reordering), the all-mode MTTKRP seconds (each mode's median over the
 repeats, summed) at the rank and threads given, appended to `labels.csv` in the dataset's folder
 (beside a .tns file: FILE.labels.csv), so a run stopped half way goes on where it was.
-Fit: per candidate, ridge regression of log seconds on the standardized features (advise.py).
+Fit: per candidate, ridge regression of log seconds on the standardized features (advise.py),
+every candidate with the same ridge, chosen among RIDGES by leave-one-out on the training tensors:
+the one whose picks, each made by a model fitted without that tensor, are the least slower than
+the best candidate in geometric mean. A large ridge leaves only the intercepts, each candidate's
+mean log time, so when the features do not help the fit falls back to the best fixed choice.
 Evaluate: on each held-out tensor, the measured time of the pick over the best candidate's; the
 geometric mean and the worst, against the best single fixed candidate.
 """
@@ -23,7 +27,7 @@ import numpy as np
 from dynmo.tensor.advise import FEATURES, advise, tensor_inputs, vector
 
 REORDERS = ("none", "lexi", "bfs-mcs", "degree")
-RIDGE = 1e-2
+RIDGES = (1e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0, 1e3)  # times the number of tensors
 
 
 def candidates() -> list[tuple[str, str]]:
@@ -90,21 +94,39 @@ def label(source: str, rank: int, threads: int, repeats: int, say: Callable[[str
     return rows
 
 
+def _solve(z: np.ndarray, y: np.ndarray, ridge: float) -> np.ndarray:
+    """Ridge coefficients (features + 1 x candidates) of every column of `y`; the intercept is not shrunk."""
+    pen = ridge * z.shape[0] * np.eye(z.shape[1])
+    pen[0, 0] = 0.0
+    return np.linalg.solve(z.T @ z + pen, z.T @ y)
+
+
+def _loo_geomean(z: np.ndarray, y: np.ndarray, ridge: float) -> float:
+    """Geometric mean over the tensors of the measured time of the pick of a model fitted without it, over
+    the best candidate's."""
+    logs = []
+    for i in range(z.shape[0]):
+        keep = np.arange(z.shape[0]) != i
+        pick = int(np.argmin(z[i] @ _solve(z[keep], y[keep], ridge)))
+        logs.append(y[i, pick] - y[i].min())
+    return math.exp(float(np.mean(logs)))
+
+
 def fit(rows: list[dict], rank: int, threads: int) -> dict:
     x = np.array([vector(r["inputs"], rank) for r in rows])
     mean, scale = x.mean(axis=0), x.std(axis=0)
     scale[scale == 0] = 1.0
     z = np.hstack([np.ones((len(rows), 1)), (x - mean) / scale])
-    pen = RIDGE * len(rows) * np.eye(z.shape[1])
-    pen[0, 0] = 0.0  # the intercept is not shrunk
-    cands = []
-    for fmt, reo in candidates():
-        y = np.log([r["seconds"][(fmt, reo)] for r in rows])
-        coef = np.linalg.solve(z.T @ z + pen, z.T @ y)
-        cands.append({"format": fmt, "reorder": reo, "coef": [float(c) for c in coef]})
+    cands = candidates()
+    y = np.log([[r["seconds"][c] for c in cands] for r in rows])
+    loo = {ridge: _loo_geomean(z, y, ridge) for ridge in RIDGES}
+    ridge = min(RIDGES, key=lambda k: (round(loo[k], 6), -k))  # the least; on a tie the larger ridge
+    coef = _solve(z, y, ridge)
     return {"version": 1, "rank": rank, "threads": threads, "features": list(FEATURES),
-            "mean": [float(v) for v in mean], "scale": [float(v) for v in scale], "candidates": cands,
-            "trained_on": len(rows)}
+            "mean": [float(v) for v in mean], "scale": [float(v) for v in scale],
+            "candidates": [{"format": f, "reorder": r, "coef": [float(c) for c in coef[:, k]]}
+                           for k, (f, r) in enumerate(cands)],
+            "ridge": ridge, "leave_one_out_geomean": loo[ridge], "trained_on": len(rows)}
 
 
 def evaluate(model: dict, rows: list[dict]) -> dict:
