@@ -211,8 +211,8 @@ class LlamaHashSparseAttention(llama.Attention):
         # `project` without its expansion of the grouped heads to the query heads
         q = self._heads(self.q_proj, x, self.n_heads)
         k, v = self._heads(self.k_proj, x, self.n_kv), self._heads(self.v_proj, x, self.n_kv)
-        cos, sin = llama.rotary(self.cfg, x.shape[1], x.device, q.dtype)
-        q, k = llama.apply_rotary(q, cos, sin), llama.apply_rotary(k, cos, sin)
+        table = llama.rotary_table(self.cfg, x.shape[1], x.device, q.dtype)[:, None, : x.shape[1]]  # [2, 1, T, hd]
+        q, k = llama.apply_rope(q, table), llama.apply_rope(k, table)
         y, info = hash_sparse_attention(q, k, v, self.planes, self.opts.chunk, self.opts.kernel)
         return self.out(y), info
 
