@@ -21,6 +21,8 @@ to their tokens by `index_add`. Its cost is the kept assignments, whatever the r
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 HAS_GROUPED_MM = hasattr(torch, "_grouped_mm") and tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 9)
@@ -95,6 +97,19 @@ def loop_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tenso
     return torch.cat(parts)
 
 
+class GroupRows(NamedTuple):
+    """The experts of rows sorted by expert, as the bias additions use them: `onehot` [R, E] (a
+    row of idx E, nobody's: zeros) in the rows' dtype and `spare` [R, 1] (True for those rows),
+    built once for all the biases of one expert MLP."""
+
+    onehot: torch.Tensor
+    spare: torch.Tensor
+
+    @staticmethod
+    def of(idx: torch.Tensor, E: int, dtype: torch.dtype) -> "GroupRows":
+        return GroupRows((idx.unsqueeze(1) == torch.arange(E, device=idx.device)).to(dtype), (idx == E).unsqueeze(1))
+
+
 class _GroupBias(torch.autograd.Function):
     """y [R, out] + bias[idx] (bias [E, out]; idx [R], E: a row nobody computes, no bias). The
     forward is one matmul with the rows' one-hot experts (cheaper than a gather and an add), the
@@ -102,26 +117,24 @@ class _GroupBias(torch.autograd.Function):
     gradients may be undefined, and a matmul would spread a NaN over every expert)."""
 
     @staticmethod
-    def forward(ctx, y: torch.Tensor, bias: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        E = bias.shape[0]
-        ctx.save_for_backward(idx)
-        ctx.E, ctx.bias_dtype = E, bias.dtype
-        onehot = (idx.unsqueeze(1) == torch.arange(E, device=idx.device)).to(y.dtype)
-        return torch.addmm(y, onehot, bias.to(y.dtype))  # exact: one 1 and zeros a row
+    def forward(ctx, y: torch.Tensor, bias: torch.Tensor, onehot: torch.Tensor, spare: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(onehot, spare)
+        ctx.bias_dtype = bias.dtype
+        return torch.addmm(y, onehot.to(y.dtype), bias.to(y.dtype))  # exact: one 1 and zeros a row
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        (idx,) = ctx.saved_tensors
-        E = ctx.E
-        onehot = (idx.unsqueeze(1) == torch.arange(E, device=idx.device)).to(g.dtype)  # a row of idx E: zeros
-        kept = torch.where((idx < E).unsqueeze(1), g, 0)  # a row nobody computes may hold NaN
-        grad_bias = onehot.t() @ kept  # a matmul, not an index_add: no atomics (slow in bf16 on a GPU)
-        return g, grad_bias.to(ctx.bias_dtype), None
+        onehot, spare = ctx.saved_tensors
+        kept = g.masked_fill(spare, 0)  # a row nobody computes may hold NaN
+        grad_bias = onehot.to(g.dtype).t() @ kept  # a matmul, not an index_add: no atomics (slow in bf16 on a GPU)
+        return g, grad_bias.to(ctx.bias_dtype), None, None
 
 
-def add_group_bias(y: torch.Tensor, bias: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """y + bias[idx], no bias for rows of idx E = bias.shape[0] (`_GroupBias`)."""
-    return _GroupBias.apply(y, bias, idx)
+def add_group_bias(y: torch.Tensor, bias: torch.Tensor, idx: "torch.Tensor | GroupRows") -> torch.Tensor:
+    """y + bias[idx], no bias for rows of idx E = bias.shape[0] (`_GroupBias`); `idx` may be the
+    rows' `GroupRows`, built once for several biases."""
+    rows = idx if isinstance(idx, GroupRows) else GroupRows.of(idx, bias.shape[0], y.dtype)
+    return _GroupBias.apply(y, bias, rows.onehot, rows.spare)
 
 
 def dispatch_grouped(x: torch.Tensor, r, experts) -> torch.Tensor:

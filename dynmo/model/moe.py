@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from dynmo.config import MoEConfig, ModelConfig
 from dynmo.model.aux_loss import attach_aux_loss
 from dynmo.model.gpt import CausalSelfAttention, Halves
-from dynmo.model.grouped import add_group_bias, dispatch_grouped, grouped_mm, probe
+from dynmo.model.grouped import GroupRows, add_group_bias, dispatch_grouped, grouped_mm, probe
 from dynmo.model.stats import StepStats
 
 MoEOptions = MoEConfig  # options live in the config ([model.moe])
@@ -75,9 +75,9 @@ class ExpertLinear(nn.Module):
         """The padded buffer [E, C, in] -> [E, C, out], one batched matmul."""
         return torch.baddbmm(self.bias.unsqueeze(1), x, self.weight)
 
-    def grouped(self, x: torch.Tensor, offs: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    def grouped(self, x: torch.Tensor, offs: torch.Tensor, idx: torch.Tensor | GroupRows) -> torch.Tensor:
         """Rows x [R, in] sorted by expert (`grouped_mm`'s offs; idx [R]: each row's expert, E
-        for a row past the last offset: no bias) -> [R, out]."""
+        for a row past the last offset: no bias, or its `GroupRows`) -> [R, out]."""
         return add_group_bias(grouped_mm(x, self.weight, offs), self.bias, idx)
 
     def before_compile(self, dtype: torch.dtype) -> None:
@@ -97,8 +97,11 @@ class Experts(nn.Module):
         return self.drop(self.proj(F.gelu(self.fc(x))))
 
     def grouped(self, x: torch.Tensor, offs: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """Rows sorted by expert (`dynmo.model.grouped`) -> their experts' outputs."""
-        return self.drop(self.proj.grouped(F.gelu(self.fc.grouped(x, offs, idx)), offs, idx))
+        """Rows sorted by expert (`dynmo.model.grouped`) -> their experts' outputs; the rows' experts
+        as one `GroupRows` for both biases."""
+        rows = GroupRows.of(idx, self.fc.bias.shape[0], x.dtype if not torch.is_autocast_enabled(x.device.type)
+                            else torch.get_autocast_dtype(x.device.type))
+        return self.drop(self.proj.grouped(F.gelu(self.fc.grouped(x, offs, rows)), offs, rows))
 
 
 @dataclass
@@ -261,12 +264,15 @@ def routing_summary(s: StepStats) -> dict:
     """A step's routing statistics from the forwards' sums ({} before the first forward)."""
     if not s.forwards:
         return {}
+    rows = s.sums.get("expert_rows")
+    if rows is None:  # `dropless_grouped`: every assignment computed once, none dropped
+        rows = s.sums["tokens_per_expert"].sum()
     return {
         "tokens_per_expert": s.sums["tokens_per_expert"],
         "routing_imbalance": s.mean("routing_imbalance"),
-        "expert_rows": s.sums["expert_rows"],
-        "useful_rows": s.sums["useful_rows"],
-        "dropped": s.sums["dropped"],
+        "expert_rows": rows,
+        "useful_rows": s.sums.get("useful_rows", rows),
+        "dropped": s.sums.get("dropped", rows - rows),
         "active_tokens": s.sums["active_tokens"],
         "aux_loss": s.mean("aux_loss"),
         "forwards": s.forwards,
@@ -279,9 +285,13 @@ def sparse_mlp(h: torch.Tensor, mask: torch.Tensor, router: nn.Module, experts: 
     its (unweighted) load-balancing loss; the forward's routing figures go into `stats`."""
     B, T, D = h.shape
     h = h.reshape(B * T, D)
+    ep = getattr(experts, "ep", None)
+    if ep is None and opts.dispatch != "padded" and opts.capacity_factor <= 0:
+        out, aux = dropless_grouped(h, router(h), mask.reshape(-1), experts, opts, stats)
+        return out.to(h.dtype).view(B, T, D), aux
     r = route(router(h), opts, mask.reshape(-1))
     ep_rows = None
-    if getattr(experts, "ep", None) is not None:
+    if ep is not None:
         out, per_rank = dispatch_ep(h, r, experts, opts.num_experts)
         rows, ep_rows = per_rank[experts.ep.rank], per_rank
     elif opts.dispatch == "padded":
@@ -293,6 +303,47 @@ def sparse_mlp(h: torch.Tensor, mask: torch.Tensor, router: nn.Module, experts: 
     with torch.no_grad():
         stats.add(**routing_stats(r, aux, rows, ep_rows))
     return out.to(h.dtype).view(B, T, D), aux
+
+
+def dropless_grouped(x: torch.Tensor, logits: torch.Tensor, active: torch.Tensor, experts: nn.Module,
+                     opts: MoEOptions, stats: StepStats) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route` + `dispatch_grouped` + `aux_loss` + `routing_stats` without a capacity, the
+    default, in the operators its work needs: the same assignments in the same order, the same
+    rows, values and loss. Assignments in priority order (a = j * N + n) are keyed by expert (E:
+    an inactive token's, which sorts last, reads a spare zero row and adds into a spare output
+    row, `dispatch_grouped`), one stable sort orders them, a `searchsorted` of the sorted keys
+    gives the grouped matmuls' offsets and every expert's load, and the forward's figures go
+    into `stats` as two small vectors (`routing_summary` reads them)."""
+    E, k = opts.num_experts, opts.top_k
+    N = x.shape[0]
+    probs = F.softmax(logits, dim=-1)
+    top_p, top_e = probs.topk(k, dim=-1)  # [N, k]
+    if opts.norm_topk_prob:
+        top_p = top_p / top_p.sum(-1, keepdim=True)
+    dead = ~active
+    key = top_e.t().masked_fill(dead, E).reshape(-1)  # [A] in priority order; E: an inactive token's
+    key, order = torch.sort(key, stable=True)  # by expert, then in priority order; inactive last
+    token = (order % N).masked_fill(key == E, N)
+    # [0, end of expert 0's rows, ..., end of expert E-1's]: the grouped matmuls' offsets and the loads
+    ends = torch.searchsorted(key, torch.arange(-1, E, device=key.device, dtype=key.dtype), right=True,
+                              out_int32=True)
+    offs = ends[1:]
+    xs = F.pad(x, (0, 0, 0, 1)).index_select(0, token)  # row N: the spare zero token
+    y = experts.grouped(xs, offs, key)
+    # an inactive token's weight 0, so that its row's undefined output sends no gradient back
+    y = y * torch.take(top_p.t().masked_fill(dead, 0.0), order).unsqueeze(1)  # promoted as in the padded path
+    out = y.new_zeros(N + 1, y.shape[1]).index_add(0, token, y)[:N]
+    # load-balancing loss E * sum_e f_e * P_e (`aux_loss`), f_e from the loads the offsets give
+    loads = offs - ends[:-1]
+    n_active = active.sum()
+    f = loads.to(probs.dtype) / offs[-1].clamp(min=1)
+    p = (probs * active.unsqueeze(1)).sum(0) / n_active.clamp(min=1)
+    aux = E * (f * p).sum()
+    with torch.no_grad():
+        # max / mean load (f's mean is 1 / E), 1 without any
+        stats.add(tokens_per_expert=loads, active_tokens=n_active, aux_loss=aux.detach(),
+                  routing_imbalance=(f.max() * E).clamp(min=1))
+    return out, aux
 
 
 class RoutedBlock(Halves, nn.Module):

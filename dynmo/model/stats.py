@@ -71,8 +71,10 @@ class StepStats:
             if isinstance(v, list):
                 old = self.sums.get(key)
                 self.sums[key] = v if old is None else [a + b for a, b in zip(old, v)]
+            elif key not in self.sums:  # the first value as it is: an addition to 0 would be one more operator
+                self.sums[key] = v
             else:
-                self.sums[key] = self.sums.get(key, 0) + v
+                self.sums[key] = self.sums[key] + v
 
     def mean(self, key: str) -> float:
         return self.sums[key] / self.forwards if self.forwards else 0.0
