@@ -155,7 +155,7 @@ class MoDRouting(Halves, nn.Module):
         the attention and gather again for the MLP, as a stage boundary between them needs), so
         the same values, with fewer operators."""
         h, g, idx, valid, w, _, aux = self._attn_rows(x, mask)
-        new = torch.where(valid.unsqueeze(-1), h + w.unsqueeze(-1) * self.feed(h), h)
+        new = h + w.unsqueeze(-1) * self.feed(h)
         return attach_aux_loss(x.scatter(1, g, new), aux, self.opts.predictor_loss_coef), mask
 
     def forward_with_aux(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,35 +170,46 @@ class MoDRouting(Halves, nn.Module):
         chosen = torch.zeros_like(mask).scatter(1, idx, valid)
         return out, mask, route, chosen, aux
 
+    def _choose(self, logits: torch.Tensor, pred: torch.Tensor, mask: torch.Tensor, k: int):
+        """(idx [B, k'] the chosen positions in position order, padding rows last; valid [B, k'];
+        target [B, T] the router's top-k membership among active tokens, the predictor's label)."""
+        T = mask.shape[1]
+        top = logits.masked_fill(~mask, float("-inf")).topk(k, dim=1).indices
+        target = torch.zeros_like(mask).scatter(1, top, True) & mask  # router top-k membership
+        if self.opts.routing == "topk":
+            idx, live = top, mask
+        else:  # causal: each token decides alone; pad to the sequence with most accepted tokens
+            live = (pred > 0) & mask
+            n = max(1, int(live.sum(1).max()))
+            idx = pred.masked_fill(~live, float("-inf")).topk(n, dim=1).indices
+        # Chosen tokens in position order (attention stays causal among them); padding rows
+        # (inactive or not accepted) go last, so no chosen token attends to them: one sort of
+        # position + T for padding rows, whose keys give back both.
+        keys = (idx + T * ~live.gather(1, idx)).sort(dim=1).values
+        return keys.remainder(T), keys < T, target, live
+
     def _attn_rows(self, x: torch.Tensor, mask: torch.Tensor):
         """Routing and the attention update of the chosen rows: (h [B, k, D] the chosen rows
         after attention, g their gather index, idx [B, k] their positions, valid, w their router
-        weights, the router logits, the predictor loss)."""
+        weights, the router logits, the predictor loss). A padding row's weight is 0, so its
+        update adds an exact zero: it passes as it came."""
         B, T, D = x.shape
         k = self.tokens_per_sequence(T)
         logits = self.router(x).squeeze(-1)  # [B, T]
         pred = self.predictor(x.detach()).squeeze(-1)  # [B, T]
         with torch.no_grad():
-            top = logits.masked_fill(~mask, float("-inf")).topk(k, dim=1).indices
-            target = torch.zeros_like(mask).scatter(1, top, True) & mask  # router top-k membership
-            if self.opts.routing == "topk":
-                idx, valid = top, mask.gather(1, top)
-            else:  # causal: each token decides alone; pad to the sequence with most accepted tokens
-                accept = (pred > 0) & mask
-                n = max(1, int(accept.sum(1).max()))
-                idx = pred.masked_fill(~accept, float("-inf")).topk(n, dim=1).indices
-                valid = accept.gather(1, idx)
-            # Chosen tokens in position order (attention stays causal among them); padding rows
-            # (inactive or not accepted) go last, so no chosen token attends to them.
-            order = (idx + T * (~valid)).argsort(dim=1)
-            idx, valid = idx.gather(1, order), valid.gather(1, order)
+            idx, valid, target, live = self._choose(logits, pred, mask, k)
+            # tokens processed (top-k: the chosen active ones; the predictor's: its accepted
+            # ones), predictions that agree with the router, active tokens
+            counts = torch.stack((target if self.opts.routing == "topk" else live,
+                                  ((pred > 0) == target) & mask, mask)).sum((1, 2))
         g = idx.unsqueeze(-1).expand(-1, -1, D)
         sel = x.gather(1, g)  # [B, k, D]: the only tokens the block computes on
         w = torch.sigmoid(logits.gather(1, idx)) * valid  # 0 on padding rows
-        h = torch.where(valid.unsqueeze(-1), sel + w.unsqueeze(-1) * self.attend(sel, idx), sel)
-        m = mask.float()
-        aux = (F.binary_cross_entropy_with_logits(pred, target.float(), reduction="none") * m).sum() / m.sum().clamp_min(1)
-        self._record(idx.shape[1], valid, mask, pred, target, aux)
+        h = sel + w.unsqueeze(-1) * self.attend(sel, idx)
+        aux = F.binary_cross_entropy_with_logits(pred, target.to(pred.dtype), mask.to(pred.dtype),
+                                                 reduction="sum") / counts[2].clamp_min(1)
+        self._record(idx.shape[1], B, counts, aux)
         return h, g, idx, valid, w, logits, aux
 
     def mlp_half(self, h: torch.Tensor, mask: torch.Tensor, route: torch.Tensor, chosen: torch.Tensor):
@@ -211,24 +222,21 @@ class MoDRouting(Halves, nn.Module):
         idx, valid = active_rows(chosen, width)
         g = idx.unsqueeze(-1).expand(-1, -1, D)
         sel = h.gather(1, g)
-        w = route.gather(1, idx).unsqueeze(-1)
-        new = torch.where(valid.unsqueeze(-1), sel + w * self.feed(sel), sel)
+        w = route.gather(1, idx).unsqueeze(-1)  # 0 on padding rows: their update is an exact zero
+        new = sel + w * self.feed(sel)
         if self.part == "mlp":  # a whole block counted its rows in its attention half
             self._stats.add(rows=idx.shape[0] * idx.shape[1], tokens_processed=valid.sum())
         return h.scatter(1, g, new), mask
 
     @torch.no_grad()
-    def _record(self, k: int, valid, mask, pred, target, aux) -> None:
+    def _record(self, k: int, B: int, counts, aux) -> None:
         # device tensors, summed where they are; the metrics read them once a step
-        B = mask.shape[0]
-        n_active = mask.sum()
-        agree = (((pred > 0) == target) & mask).sum()
         self._stats.add(
             rows=B * k,
             attn_pairs=B * k * (k + 1) // 2,
-            tokens_processed=valid.sum(),
-            active_tokens=n_active,
-            predictor_accuracy=agree / n_active.clamp_min(1),
+            tokens_processed=counts[0],
+            active_tokens=counts[2],
+            predictor_accuracy=counts[1] / counts[2].clamp_min(1),
             aux_loss=aux.detach(),
         )
 
