@@ -128,3 +128,25 @@ def test_one_nonzero_and_unknown_format():
         assert m.tolist() == [[0, 0], [0, 0], [12, 12]]
     with pytest.raises(ValueError, match="format 'dense'"):
         convert(t, "dense")
+
+
+@pytest.mark.parametrize("order", [3, 4, 5])
+def test_csf_leaf_mode_from_another_tree_equals_its_own_tree(order, monkeypatch):
+    """A mode with long fibers at the leaves of another tree is summed there (fixed private tasks); it equals
+    the brute force, and the mode's own tree (taken when the private rows would exceed their bound)."""
+    from dynmo.tensor.kernels import csf
+
+    rng = np.random.default_rng(order)
+    sizes = (40, 60, 30, 20, 900)[-order:]
+    coords = [rng.integers(0, s, 30_000) for s in sizes[:-1]]
+    coords = [np.repeat(c[:300], 100) for c in coords] + [rng.integers(0, sizes[-1], 30_000)]  # long fibers
+    key = np.unique(np.ravel_multi_index(coords, sizes))
+    t = from_coo(np.vstack(np.unravel_index(key, sizes)), rng.standard_normal(key.size), sizes)
+    lay = convert(t, "csf")
+    last = order - 1
+    assert last in lay.leaf_tree
+    factors = [rng.standard_normal((s, 16)) for s in sizes]
+    via_leaf = mttkrp(lay, factors, last)
+    np.testing.assert_allclose(via_leaf, _brute(t, factors, last), rtol=1e-10, atol=1e-10)
+    monkeypatch.setattr(csf, "PRIVATE_BYTES", 0)
+    np.testing.assert_allclose(mttkrp(lay, factors, last), via_leaf, rtol=1e-12, atol=1e-12)

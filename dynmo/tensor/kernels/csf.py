@@ -22,6 +22,9 @@ from numba import njit, prange
 
 from dynmo.tensor.kernels.common import tasks
 
+PRIVATE_TASKS = 16  # fixed runs of root slices of the leaf-mode MTTKRP, each summing into its own rows
+PRIVATE_BYTES = 64 << 20  # at most this much for those private rows; above it the mode's own tree serves
+
 
 class Tree:
     """One CSF tree: the levels' modes, node indices, child pointers and the leaves' values."""
@@ -55,6 +58,7 @@ class Tree:
         roots = starts[0].size
         leaf_ptr = np.append(starts[0], nnz).astype(np.int64)  # nonzeros under each root, as prefix sums
         self.bounds = tasks(leaf_ptr)
+        self.private_bounds = tasks(leaf_ptr, PRIVATE_TASKS)  # for the leaf mode's MTTKRP (_csf_leaf)
         self.roots = roots
         present = np.zeros(sizes[root], dtype=bool)
         present[s[0, starts[0]]] = True
@@ -62,7 +66,8 @@ class Tree:
 
     @property
     def nbytes(self) -> int:
-        return int(self.fids.nbytes + self.fptr.nbytes + self.values.nbytes + self.bounds.nbytes + self.empty.nbytes)
+        return int(self.fids.nbytes + self.fptr.nbytes + self.values.nbytes + self.bounds.nbytes + self.empty.nbytes
+                   + self.private_bounds.nbytes)
 
 
 class CSF:
@@ -71,12 +76,31 @@ class CSF:
     def __init__(self, coords: np.ndarray, values: np.ndarray, sizes: tuple[int, ...], dtype):
         self.sizes, self.order = tuple(sizes), len(sizes)
         self.trees = [Tree(coords, values, self.sizes, m, dtype) for m in range(self.order)]
+        self.leaf_tree = {}  # mode -> another tree with that mode at its leaves, where walking it costs less
+        for m in range(self.order):
+            other = [r for r in range(self.order) if r != m and self.trees[r].modes[-1] == m]
+            if other:
+                r = min(other, key=lambda r: self.trees[r].fids.size)
+                if self.trees[r].fids.size + PRIVATE_TASKS * self.sizes[m] < self.trees[m].fids.size:
+                    self.leaf_tree[m] = r
+        self._private = None
 
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.trees)
 
     def mttkrp(self, f: np.ndarray, offsets: np.ndarray, mode: int, out: np.ndarray) -> None:
+        r = self.leaf_tree.get(mode)
+        if r is not None and PRIVATE_TASKS * out.nbytes <= PRIVATE_BYTES:
+            t = self.trees[r]
+            shape = (t.private_bounds.size - 1, *out.shape)
+            if self._private is None or self._private.size < int(np.prod(shape)) or self._private.dtype != out.dtype:
+                self._private = np.empty(int(np.prod(shape)), dtype=out.dtype)
+            private = self._private[:int(np.prod(shape))].reshape(shape)
+            _csf_leaf(t.modes, t.fids, t.fids_off, t.fptr, t.fptr_off, t.values, t.private_bounds, f, offsets,
+                      private)
+            _sum_private(private, out)
+            return
         t = self.trees[mode]
         out[t.empty] = 0  # rows without a root slice; every other row is written whole
         _csf_root(t.modes, t.fids, t.fids_off, t.fptr, t.fptr_off, t.values, t.bounds, f, offsets, out)
@@ -149,3 +173,75 @@ def _csf_root(modes, fids, fids_off, fptr, fptr_off, vals, bounds, f, offs, out)
             out_row = fids[root]
             for r in range(rank):
                 out[out_row, r] = acc[0, r]
+
+
+@njit(parallel=True, cache=True)
+def _csf_leaf(modes, fids, fids_off, fptr, fptr_off, vals, bounds, f, offs, private):
+    order = modes.size
+    rank = f.shape[1]
+    leaf = order - 1
+    fib = order - 2
+    leaf_off = fids_off[leaf]
+    fib_off, fib_row, fib_ptr = fids_off[fib], offs[modes[fib]], fptr_off[fib]
+    for t in prange(bounds.size - 1):
+        own = private[t]
+        own[:] = 0.0
+        prod = np.empty((max(1, fib), rank), dtype=private.dtype)  # prod[l]: the open path's rows multiplied
+        tmp = np.empty(rank, dtype=private.dtype)
+        idx = np.empty(order, dtype=np.int64)
+        end = np.empty(order, dtype=np.int64)
+        for root in range(bounds[t], bounds[t + 1]):
+            row = offs[modes[0]] + fids[root]
+            for r in range(rank):
+                prod[0, r] = f[row, r]
+            level = 0
+            idx[0] = root
+            while True:
+                if level < fib - 1:  # open the first node one level down
+                    node = idx[level]
+                    level += 1
+                    idx[level] = fptr[fptr_off[level - 1] + node]
+                    end[level] = fptr[fptr_off[level - 1] + node + 1]
+                    row = offs[modes[level]] + fids[fids_off[level] + idx[level]]
+                    for r in range(rank):
+                        prod[level, r] = prod[level - 1, r] * f[row, r]
+                    continue
+                if fib == 0:
+                    qa, qb = root, root + 1
+                else:
+                    qa, qb = fptr[fptr_off[level] + idx[level]], fptr[fptr_off[level] + idx[level] + 1]
+                for q in range(qa, qb):
+                    if fib == 0:
+                        for r in range(rank):
+                            tmp[r] = prod[0, r]
+                    else:
+                        row = fib_row + fids[fib_off + q]
+                        for r in range(rank):
+                            tmp[r] = prod[fib - 1, r] * f[row, r]
+                    for j in range(fptr[fib_ptr + q], fptr[fib_ptr + q + 1]):
+                        v = vals[j]
+                        o = fids[leaf_off + j]
+                        for r in range(rank):
+                            own[o, r] += v * tmp[r]
+                while level > 0:  # the next sibling, or up
+                    idx[level] += 1
+                    if idx[level] < end[level]:
+                        row = offs[modes[level]] + fids[fids_off[level] + idx[level]]
+                        for r in range(rank):
+                            prod[level, r] = prod[level - 1, r] * f[row, r]
+                        break
+                    level -= 1
+                if level == 0:
+                    break
+
+
+@njit(parallel=True, cache=True)
+def _sum_private(private, out):
+    """Each output row: the tasks' private rows added in task order (the same order for any thread count)."""
+    tasks_, rows, rank = private.shape
+    for i in prange(rows):
+        for r in range(rank):
+            acc = private[0, i, r]
+            for t in range(1, tasks_):
+                acc += private[t, i, r]
+            out[i, r] = acc
