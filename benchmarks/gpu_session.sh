@@ -13,7 +13,9 @@
 # hashattn, staged, compiled, long-compiled (the last two: gpu_check --compile), compile-check
 # (compile_check.py, inductor: every block kind compiled through the launcher against eager,
 # compile-check.md), profile (profile_step.py: where a step's time goes, device busy against
-# wall, for dense, MoD and MoE, with and without dynmo's per-layer marks, profile.md).
+# wall, for dense, MoD and MoE, with and without dynmo's per-layer marks, profile.md), hostops
+# (every block kind's kernel launches per step beside its tokens/s, eager and compiled, from
+# profile_step.py at gpu_check's size, after host_ops.py's exact operator counts; hostops.md).
 # Each step has a time limit of its own, so a slow one cannot take the others' time.
 set -u
 OUT=${1:?usage: bash benchmarks/gpu_session.sh OUT [GROUPS]}
@@ -71,6 +73,12 @@ for g in ${WANT//,/ }; do
       step 150 profile sh -c 'python3 benchmarks/profile_step.py --cases gpt-dense,gpt-mod,gpt-moe,llama-mod \
         && python3 benchmarks/profile_step.py --cases gpt-dense,gpt-mod --no-marks --top 0' >"$OUT/profile.md" 2>&1
       grep "^| " "$OUT/profile.md" | head -12 ;;
+    hostops)
+      step 240 hostops sh -c 'python3 benchmarks/host_ops.py \
+        && python3 benchmarks/profile_step.py --cases gpt-dense,gpt-mod,gpt-moe,llama-dense,mixtral-moe,llama-mod --top 0 \
+        && python3 benchmarks/profile_step.py --cases gpt-dense,gpt-mod,gpt-moe,llama-dense,mixtral-moe,llama-mod --top 0 \
+           --compile' >"$OUT/hostops.md" 2>&1
+      grep -E "^\| |^[a-z-]+ +[0-9]" "$OUT/hostops.md" | head -30 ;;
     *) echo "unknown group $g" >&2; exit 2 ;;
   esac
 done

@@ -20,6 +20,7 @@ torch.profiler. Per case it prints, per step:
              grouped matmul its offsets);
   launches   kernel launches (`cudaLaunchKernel` and friends; CUDA only);
   ops        aten operators called (nested ones counted too: a proxy for host work);
+  tok/s      the microbatch's tokens over the wall time (forward, backward and the optimizer);
 
 then its --top operators by self device time (CPU: self CPU time). Run it with and without
 --no-marks to see what dynmo's own per-layer profiler costs a case. Written for the question a
@@ -109,6 +110,7 @@ def profile_case(case: str, args, device: torch.device) -> dict:
         "reads": sum(count.get(k, 0) for k in READS) / n,
         "launches": sum(count.get(k, 0) for k in LAUNCHES) / n if cuda else None,
         "ops": sum(e.count for e in table if e.key.startswith("aten::")) / n,
+        "tokens_per_s": tokens[:, :-1].numel() / (wall_ms / 1e3),
         "top": [(e.key, (_self_device_us(e) if cuda else e.self_cpu_time_total) / 1e3 / n, e.count / n)
                 for e in top[:args.top]],
     }
@@ -140,11 +142,12 @@ def main(argv: list[str] | None = None) -> int:
           f"marks {'off' if args.no_marks else 'on'}, {'compiled' if args.compile else 'eager'}; "
           f"per step, median of {args.steps} profiled after {args.warmup}\n")
     rows = [profile_case(c, args, device) for c in args.cases.split(",")]
-    print("| case | wall ms | device ms | busy | syncs | reads | launches | aten ops |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| case | wall ms | device ms | busy | syncs | reads | launches | aten ops | tok/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['case']} | {r['wall_ms']:.1f} | {_fmt(r['device_ms'], '.1f')} | {_fmt(r['busy'], '.2f')} | "
-              f"{_fmt(r['syncs'], '.0f')} | {r['reads']:.0f} | {_fmt(r['launches'], '.0f')} | {r['ops']:.0f} |")
+              f"{_fmt(r['syncs'], '.0f')} | {r['reads']:.0f} | {_fmt(r['launches'], '.0f')} | {r['ops']:.0f} | "
+              f"{r['tokens_per_s']:.0f} |")
     for r in rows if args.top > 0 else []:
         print(f"\n{r['case']}: top operators by self {'device' if device.type == 'cuda' else 'CPU'} time, per step")
         print("| operator | ms | calls |")
