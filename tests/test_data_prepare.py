@@ -185,3 +185,23 @@ def test_a_bad_line_deep_in_the_stream_removes_what_the_run_wrote(tmp_path, tok_
     with pytest.raises(DataError, match="line 51, has no field 'text'"):
         prepare_folder([str(src)], str(tok_file), str(tmp_path / "out"), workers=2, quiet=True)
     assert not (tmp_path / "out").exists()
+
+
+def test_too_little_memory_or_disk_is_refused_before_anything_is_written(tmp_path, tok_file, monkeypatch):
+    texts = docs(300, 6)
+    good = write_jsonl(tmp_path / "c.jsonl", texts)
+    out = tmp_path / "out"
+    env = {**os.environ, "DYNMO_MEMORY_AVAILABLE": "512M"}
+    p = subprocess.run([sys.executable, "-m", "dynmo.cli", "data", "prepare", str(good), "--tokenizer", str(tok_file),
+                        "--out", str(out), "--quiet", "--memory-gb", "1"], capture_output=True, text=True, env=env)
+    assert p.returncode == 2 and "--memory-gb 1 asks for 1.00 GB but 0.50 GB" in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and not out.exists()
+    # The shards' bytes, as the tokenizer encodes the whole text: the estimate holds them, within its margin.
+    n_tokens = sum(len(ids) for ids in brute(tok_file, texts))
+    monkeypatch.setenv("DYNMO_DISK_FREE", str(n_tokens))  # half of what the uint16 shards take
+    with pytest.raises(DataError, match="the shards need about .* free"):
+        prepare_folder([str(good)], str(tok_file), str(out), workers=1, quiet=True)
+    assert not out.exists()
+    monkeypatch.setenv("DYNMO_DISK_FREE", str(good.stat().st_size * 4))  # room for 2 bytes a token of every byte
+    prepare_folder([str(good)], str(tok_file), str(out), workers=1, quiet=True)
+    assert sum(p.stat().st_size for p in out.glob("shard-*.bin")) == n_tokens * 2

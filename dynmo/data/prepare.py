@@ -25,6 +25,7 @@ from queue import Empty
 
 from dynmo.data import encode
 from dynmo.data.corpus import DataError
+from dynmo.data import room
 from dynmo.data.manifest import FORMAT, MANIFEST, PLAN, TOKENIZER, read_manifest, write_json
 from dynmo.data.shards import shard_name, token_dtype
 from dynmo.data.sources import SourceFile, check_first, records, source_files
@@ -95,10 +96,12 @@ def prepare_folder(sources: list[str], tokenizer: str, out: str, field: str = "t
     if state == "done":
         return read_manifest(folder)
     size = batch_bytes(memory_gb, workers)
+    room.check_memory(memory_gb)
     info = _tokenizer(folder, tokenizer, files, field)
     if max_vocab and info.vocab_size > max_vocab:
         raise DataError(f"the tokenizer has {info.vocab_size} tokens, more than model.vocab_size {max_vocab}; "
                         "raise model.vocab_size or use a smaller tokenizer")
+    room.check_disk(folder, files, field, info.blob, token_dtype(info.vocab_size).itemsize)
     created = state == "new"
     folder.mkdir(parents=True, exist_ok=True)
     try:
