@@ -51,3 +51,18 @@ def test_falls_back_to_the_best_fixed_choice_when_features_decide_nothing():
     assert model["ridge"] > 0 and 1.0 <= model["leave_one_out_geomean"] < 1.01
     held = evaluate(model, _rows(4, 15, coo_lexi))
     assert held["geomean"] == held["best_fixed_geomean"] == 1.0 and held["best_fixed"] == "coo+lexi"
+
+
+def test_a_tensor_beyond_the_training_range_is_taken_at_its_edge():
+    from dynmo.tensor.advise import predict, vector
+
+    rows = _rows(5, 30, _big_hicoo_small_csf)
+    model = fit(rows, rank=16, threads=2)
+    big = max(rows, key=lambda r: r["inputs"]["nnz"])["inputs"]
+    huge = dict(big, nnz=big["nnz"] * 1000)
+    x_big, x_huge = vector(big), vector(huge)
+    edge = np.clip(x_huge, model["low"], model["high"])
+    assert np.all(edge <= np.array(model["high"])) and not np.array_equal(x_huge, edge)
+    assert predict(model, x_huge) == predict(model, edge)
+    assert min(predict(model, x_huge), key=lambda c: c["predicted_seconds"])["format"] == "hicoo"
+    assert x_big[0] < x_huge[0]

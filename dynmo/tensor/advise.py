@@ -8,8 +8,10 @@ tensor larger than memory feeds it too).
 
 The model (`advisor.json` beside this file, or one refitted by `dynmo tensor fit-advisor`) is a
 JSON file: per candidate (format, reordering) the coefficients of a ridge regression of the log
-of its measured all-mode MTTKRP seconds on the standardized features. No code runs when it is
-loaded. The pick is the candidate of the least predicted time.
+of its measured all-mode MTTKRP seconds on the standardized features, and each feature's range
+over the training tensors: a feature outside it is clipped to it before predicting, so a tensor
+unlike any seen is not extrapolated along a line. No code runs when it is loaded. The pick is
+the candidate of the least predicted time.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ def load_model(path=None) -> dict:
         for c in doc["candidates"]:
             assert len(c["coef"]) == len(FEATURES) + 1 and c["format"] and c["reorder"]
         assert len(doc["mean"]) == len(doc["scale"]) == len(FEATURES)
+        assert "low" not in doc or len(doc["low"]) == len(doc["high"]) == len(FEATURES)
     except FileNotFoundError:
         raise AdviseError(f"{p}: no such model; fit one with `dynmo tensor fit-advisor`") from None
     except (ValueError, KeyError, TypeError, AssertionError):
@@ -91,6 +94,8 @@ def load_model(path=None) -> dict:
 
 
 def predict(model: dict, x: np.ndarray) -> list[dict]:
+    if "low" in model:  # a tensor outside the training range is taken as at its edge: a line, not extrapolated
+        x = np.clip(x, model["low"], model["high"])
     z = np.concatenate(([1.0], (x - np.array(model["mean"])) / np.array(model["scale"])))
     return [{"format": c["format"], "reorder": c["reorder"], "predicted_seconds": float(math.exp(z @ np.array(c["coef"])))}
             for c in model["candidates"]]

@@ -124,6 +124,7 @@ def fit(rows: list[dict], rank: int, threads: int) -> dict:
     coef = _solve(z, y, ridge)
     return {"version": 1, "rank": rank, "threads": threads, "features": list(FEATURES),
             "mean": [float(v) for v in mean], "scale": [float(v) for v in scale],
+            "low": [float(v) for v in x.min(axis=0)], "high": [float(v) for v in x.max(axis=0)],
             "candidates": [{"format": f, "reorder": r, "coef": [float(c) for c in coef[:, k]]}
                            for k, (f, r) in enumerate(cands)],
             "ridge": ridge, "leave_one_out_geomean": loo[ridge], "trained_on": len(rows)}
