@@ -131,9 +131,11 @@ def test_one_nonzero_and_unknown_format():
 
 
 @pytest.mark.parametrize("order", [3, 4, 5])
-def test_csf_leaf_mode_from_another_tree_equals_its_own_tree(order, monkeypatch):
-    """A mode with long fibers at the leaves of another tree is summed there (fixed private tasks); it equals
-    the brute force, and the mode's own tree (taken when the private rows would exceed their bound)."""
+def test_csf_leaf_mode_from_a_tiled_tree_equals_its_own_tree(order):
+    """A mode with long fibers is summed at the leaves of another mode's tree, cut into tiles of its rows
+    (a task each); it equals the brute force and the mode's own tree, for 1 and 2 threads alike."""
+    import numba
+
     from dynmo.tensor.kernels import csf
 
     rng = np.random.default_rng(order)
@@ -144,9 +146,19 @@ def test_csf_leaf_mode_from_another_tree_equals_its_own_tree(order, monkeypatch)
     t = from_coo(np.vstack(np.unravel_index(key, sizes)), rng.standard_normal(key.size), sizes)
     lay = convert(t, "csf")
     last = order - 1
-    assert last in lay.leaf_tree
+    assert lay.leaf[last] and lay.trees[last].modes[-1] == last and lay.trees[last].bounds.size > 2
     factors = [rng.standard_normal((s, 16)) for s in sizes]
     via_leaf = mttkrp(lay, factors, last)
     np.testing.assert_allclose(via_leaf, _brute(t, factors, last), rtol=1e-10, atol=1e-10)
-    monkeypatch.setattr(csf, "PRIVATE_BYTES", 0)
-    np.testing.assert_allclose(mttkrp(lay, factors, last), via_leaf, rtol=1e-12, atol=1e-12)
+    own = csf.CSF.__new__(csf.CSF)
+    own.sizes, own.order, own.leaf, own.dtype = lay.sizes, order, [False] * order, np.float64
+    own.trees = [csf.Tree(t.coords, t.values, sizes, m, np.float64) for m in range(order)]
+    np.testing.assert_allclose(mttkrp(own, factors, last), via_leaf, rtol=1e-12, atol=1e-12)
+    if numba.config.NUMBA_NUM_THREADS >= 2:
+        try:
+            set_threads(1)
+            one = mttkrp(lay, factors, last)
+            set_threads(2)
+            assert np.array_equal(one, mttkrp(lay, factors, last))
+        finally:
+            set_threads(None)

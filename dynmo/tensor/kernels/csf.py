@@ -1,4 +1,5 @@
-"""CSF MTTKRP: compressed sparse fibers, one tree per mode (SPLATT's `--csf=all`).
+"""CSF MTTKRP: compressed sparse fibers, one tree per mode (SPLATT's `--csf=all`), or a tiled copy of
+another mode's tree.
 
 Mode n's tree has n at its root and the other modes below it, shortest first (as SPLATT orders
 them). Level L holds one node per distinct prefix of the sorted coordinates: its index
@@ -13,6 +14,14 @@ accumulator by its own row and adds it into its parent's; the root's sum is writ
 output row once. The buffers are allocated once per task, the rank is the innermost loop over
 C-ordered factor rows. Tasks own runs of root slices, so every output row is written once, by
 one task, in one order; only the rows of empty root slices are zeroed apart.
+
+A mode whose own tree is poorly compressed (short fibers) but that sits at the leaves of another
+mode's tree (long fibers along it) is served by a copy of that other tree cut into tiles: runs of
+the mode's rows of about equal nonzeros, each tile a forest of its own nonzeros. A task walks one
+tile, multiplying the rows down the path and adding value x that product into the leaf's output
+row: only that tile's rows, so again one writer per row, in tree order, for any thread count
+(SPLATT's leaf kernel on a tiled tree, without locks). The tiled copy replaces the mode's own
+tree when it has fewer nodes.
 """
 
 from __future__ import annotations
@@ -22,23 +31,27 @@ from numba import njit, prange
 
 from dynmo.tensor.kernels.common import tasks
 
-PRIVATE_TASKS = 16  # fixed runs of root slices of the leaf-mode MTTKRP, each summing into its own rows
-PRIVATE_BYTES = 64 << 20  # at most this much for those private rows; above it the mode's own tree serves
+TILES = 16  # the leaf-mode tree's tiles: runs of the mode's rows of about equal nonzeros, a task each
 
 
 class Tree:
     """One CSF tree: the levels' modes, node indices, child pointers and the leaves' values."""
 
-    def __init__(self, coords: np.ndarray, values: np.ndarray, sizes: tuple[int, ...], root: int, dtype):
+    def __init__(self, coords: np.ndarray, values: np.ndarray, sizes: tuple[int, ...], root: int, dtype,
+                 tiles: np.ndarray | None = None):
         order = len(sizes)
         rest = sorted((m for m in range(order) if m != root), key=lambda m: (sizes[m], m))
         self.modes = np.array([root, *rest], dtype=np.int64)
-        sort = np.lexsort(tuple(coords[m] for m in reversed(self.modes)))
+        keys = tuple(coords[m] for m in reversed(self.modes))
+        sort = np.lexsort(keys if tiles is None else (*keys, tiles))  # tiles, when given, split the tree first
         s = coords[self.modes][:, sort]
         nnz = s.shape[1]
         idx = np.int32 if max(sizes) < 2**31 else np.int64
         new = np.zeros(nnz, dtype=bool)
         new[0] = True
+        if tiles is not None:
+            tile_sorted = tiles[sort]
+            new[1:] = tile_sorted[1:] != tile_sorted[:-1]
         starts = []
         for level in range(order):
             if level == order - 1:
@@ -58,7 +71,8 @@ class Tree:
         roots = starts[0].size
         leaf_ptr = np.append(starts[0], nnz).astype(np.int64)  # nonzeros under each root, as prefix sums
         self.bounds = tasks(leaf_ptr)
-        self.private_bounds = tasks(leaf_ptr, PRIVATE_TASKS)  # for the leaf mode's MTTKRP (_csf_leaf)
+        if tiles is not None:  # a task per tile: the runs of roots of each tile
+            self.bounds = np.searchsorted(tile_sorted[starts[0]], np.arange(int(tiles.max()) + 2)).astype(np.int64)
         self.roots = roots
         present = np.zeros(sizes[root], dtype=bool)
         present[s[0, starts[0]]] = True
@@ -66,8 +80,7 @@ class Tree:
 
     @property
     def nbytes(self) -> int:
-        return int(self.fids.nbytes + self.fptr.nbytes + self.values.nbytes + self.bounds.nbytes + self.empty.nbytes
-                   + self.private_bounds.nbytes)
+        return int(self.fids.nbytes + self.fptr.nbytes + self.values.nbytes + self.bounds.nbytes + self.empty.nbytes)
 
 
 class CSF:
@@ -76,32 +89,32 @@ class CSF:
     def __init__(self, coords: np.ndarray, values: np.ndarray, sizes: tuple[int, ...], dtype):
         self.sizes, self.order = tuple(sizes), len(sizes)
         self.trees = [Tree(coords, values, self.sizes, m, dtype) for m in range(self.order)]
-        self.leaf_tree = {}  # mode -> another tree with that mode at its leaves, where walking it costs less
+        self.leaf = [False] * self.order  # mode m's tree has m at its leaves, cut into tiles of m's rows
         for m in range(self.order):
             other = [r for r in range(self.order) if r != m and self.trees[r].modes[-1] == m]
-            if other:
-                r = min(other, key=lambda r: self.trees[r].fids.size)
-                if self.trees[r].fids.size + PRIVATE_TASKS * self.sizes[m] < self.trees[m].fids.size:
-                    self.leaf_tree[m] = r
-        self._private = None
+            if not other:
+                continue
+            r = min(other, key=lambda r: self.trees[r].fids.size)
+            if self.trees[r].fids.size >= self.trees[m].fids.size:
+                continue
+            per_row = np.zeros(self.sizes[m] + 1, dtype=np.int64)
+            per_row[1:] = np.cumsum(np.bincount(coords[m], minlength=self.sizes[m]))
+            cuts = tasks(per_row, TILES)
+            tiled = Tree(coords, values, self.sizes, r, dtype,
+                         tiles=np.searchsorted(cuts, coords[m], side="right").astype(np.int64) - 1)
+            if tiled.fids.size < self.trees[m].fids.size:
+                self.trees[m], self.leaf[m] = tiled, True
 
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.trees)
 
     def mttkrp(self, f: np.ndarray, offsets: np.ndarray, mode: int, out: np.ndarray) -> None:
-        r = self.leaf_tree.get(mode)
-        if r is not None and PRIVATE_TASKS * out.nbytes <= PRIVATE_BYTES:
-            t = self.trees[r]
-            shape = (t.private_bounds.size - 1, *out.shape)
-            if self._private is None or self._private.size < int(np.prod(shape)) or self._private.dtype != out.dtype:
-                self._private = np.empty(int(np.prod(shape)), dtype=out.dtype)
-            private = self._private[:int(np.prod(shape))].reshape(shape)
-            _csf_leaf(t.modes, t.fids, t.fids_off, t.fptr, t.fptr_off, t.values, t.private_bounds, f, offsets,
-                      private)
-            _sum_private(private, out)
-            return
         t = self.trees[mode]
+        if self.leaf[mode]:
+            out[:] = 0
+            _csf_leaf(t.modes, t.fids, t.fids_off, t.fptr, t.fptr_off, t.values, t.bounds, f, offsets, out)
+            return
         out[t.empty] = 0  # rows without a root slice; every other row is written whole
         _csf_root(t.modes, t.fids, t.fids_off, t.fptr, t.fptr_off, t.values, t.bounds, f, offsets, out)
 
@@ -176,7 +189,7 @@ def _csf_root(modes, fids, fids_off, fptr, fptr_off, vals, bounds, f, offs, out)
 
 
 @njit(parallel=True, cache=True)
-def _csf_leaf(modes, fids, fids_off, fptr, fptr_off, vals, bounds, f, offs, private):
+def _csf_leaf(modes, fids, fids_off, fptr, fptr_off, vals, bounds, f, offs, out):
     order = modes.size
     rank = f.shape[1]
     leaf = order - 1
@@ -184,10 +197,8 @@ def _csf_leaf(modes, fids, fids_off, fptr, fptr_off, vals, bounds, f, offs, priv
     leaf_off = fids_off[leaf]
     fib_off, fib_row, fib_ptr = fids_off[fib], offs[modes[fib]], fptr_off[fib]
     for t in prange(bounds.size - 1):
-        own = private[t]
-        own[:] = 0.0
-        prod = np.empty((max(1, fib), rank), dtype=private.dtype)  # prod[l]: the open path's rows multiplied
-        tmp = np.empty(rank, dtype=private.dtype)
+        prod = np.empty((max(1, fib), rank), dtype=out.dtype)  # prod[l]: the open path's rows multiplied
+        tmp = np.empty(rank, dtype=out.dtype)
         idx = np.empty(order, dtype=np.int64)
         end = np.empty(order, dtype=np.int64)
         for root in range(bounds[t], bounds[t + 1]):
@@ -222,7 +233,7 @@ def _csf_leaf(modes, fids, fids_off, fptr, fptr_off, vals, bounds, f, offs, priv
                         v = vals[j]
                         o = fids[leaf_off + j]
                         for r in range(rank):
-                            own[o, r] += v * tmp[r]
+                            out[o, r] += v * tmp[r]
                 while level > 0:  # the next sibling, or up
                     idx[level] += 1
                     if idx[level] < end[level]:
@@ -233,15 +244,3 @@ def _csf_leaf(modes, fids, fids_off, fptr, fptr_off, vals, bounds, f, offs, priv
                     level -= 1
                 if level == 0:
                     break
-
-
-@njit(parallel=True, cache=True)
-def _sum_private(private, out):
-    """Each output row: the tasks' private rows added in task order (the same order for any thread count)."""
-    tasks_, rows, rank = private.shape
-    for i in prange(rows):
-        for r in range(rank):
-            acc = private[0, i, r]
-            for t in range(1, tasks_):
-                acc += private[t, i, r]
-            out[i, r] = acc
