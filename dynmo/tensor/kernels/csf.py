@@ -119,6 +119,20 @@ class CSF:
         _csf_root(t.modes, t.fids, t.fids_off, t.fptr, t.fptr_off, t.values, t.bounds, f, offsets, out)
 
 
+@njit(cache=True)
+def _children(fptr, fptr_off, level, node):
+    """(first, end) of the children of node `node` of level `level`."""
+    at = fptr_off[level] + node
+    return fptr[at], fptr[at + 1]
+
+
+@njit(cache=True)
+def _times_row(prod, level, f, row):
+    """prod[level] = prod[level - 1] times factor row `row`: the product of the rows down an open path."""
+    for r in range(f.shape[1]):
+        prod[level, r] = prod[level - 1, r] * f[row, r]
+
+
 @njit(parallel=True, cache=True)
 def _csf_root(modes, fids, fids_off, fptr, fptr_off, vals, bounds, f, offs, out):
     order = modes.size
@@ -139,18 +153,13 @@ def _csf_root(modes, fids, fids_off, fptr, fptr_off, vals, bounds, f, offs, out)
             idx[0] = root
             while True:
                 if level < fib - 1:  # open the next node one level down
-                    node = idx[level]
                     level += 1
-                    idx[level] = fptr[fptr_off[level - 1] + node]
-                    end[level] = fptr[fptr_off[level - 1] + node + 1]
+                    idx[level], end[level] = _children(fptr, fptr_off, level - 1, idx[level - 1])
                     for r in range(rank):
                         acc[level, r] = 0.0
                     continue
                 # the fibers under the open node of level fib - 1 (under the root itself when fib is 0)
-                if fib == 0:
-                    qa, qb = root, root + 1
-                else:
-                    qa, qb = fptr[fptr_off[level] + idx[level]], fptr[fptr_off[level] + idx[level] + 1]
+                qa, qb = (root, root + 1) if fib == 0 else _children(fptr, fptr_off, level, idx[level])
                 for q in range(qa, qb):
                     j0, j1 = fptr[fib_ptr + q], fptr[fib_ptr + q + 1]
                     v = vals[j0]
@@ -202,25 +211,15 @@ def _csf_leaf(modes, fids, fids_off, fptr, fptr_off, vals, bounds, f, offs, out)
         idx = np.empty(order, dtype=np.int64)
         end = np.empty(order, dtype=np.int64)
         for root in range(bounds[t], bounds[t + 1]):
-            row = offs[modes[0]] + fids[root]
-            for r in range(rank):
-                prod[0, r] = f[row, r]
-            level = 0
-            idx[0] = root
+            prod[0, :] = f[offs[modes[0]] + fids[root], :]
+            level, idx[0] = 0, root
             while True:
                 if level < fib - 1:  # open the first node one level down
-                    node = idx[level]
                     level += 1
-                    idx[level] = fptr[fptr_off[level - 1] + node]
-                    end[level] = fptr[fptr_off[level - 1] + node + 1]
-                    row = offs[modes[level]] + fids[fids_off[level] + idx[level]]
-                    for r in range(rank):
-                        prod[level, r] = prod[level - 1, r] * f[row, r]
+                    idx[level], end[level] = _children(fptr, fptr_off, level - 1, idx[level - 1])
+                    _times_row(prod, level, f, offs[modes[level]] + fids[fids_off[level] + idx[level]])
                     continue
-                if fib == 0:
-                    qa, qb = root, root + 1
-                else:
-                    qa, qb = fptr[fptr_off[level] + idx[level]], fptr[fptr_off[level] + idx[level] + 1]
+                qa, qb = (root, root + 1) if fib == 0 else _children(fptr, fptr_off, level, idx[level])
                 for q in range(qa, qb):
                     if fib == 0:
                         for r in range(rank):
@@ -237,9 +236,7 @@ def _csf_leaf(modes, fids, fids_off, fptr, fptr_off, vals, bounds, f, offs, out)
                 while level > 0:  # the next sibling, or up
                     idx[level] += 1
                     if idx[level] < end[level]:
-                        row = offs[modes[level]] + fids[fids_off[level] + idx[level]]
-                        for r in range(rank):
-                            prod[level, r] = prod[level - 1, r] * f[row, r]
+                        _times_row(prod, level, f, offs[modes[level]] + fids[fids_off[level] + idx[level]])
                         break
                     level -= 1
                 if level == 0:
