@@ -38,6 +38,60 @@ def attach_aux_loss(x: torch.Tensor, aux: torch.Tensor, coef: float) -> torch.Te
     the objective is the microbatch mean of `main + coef * aux`, exactly as a single process
     that averages `main + coef * aux` over the same microbatches.
     """
-    if coef == 0.0 or not torch.is_grad_enabled() or not aux.requires_grad:
+    if not _carries(aux, coef):
         return x
     return _AuxLossScaler.apply(x, aux, float(coef))
+
+
+class _AddWithAux(torch.autograd.Function):
+    """a + b (same shape); backward also sends gradient `coef` into the scalar `aux`: the sum is
+    a new tensor, so it needs no copy to carry the loss (`_AuxLossScaler`'s clone)."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, aux: torch.Tensor, coef: float):
+        ctx.coef, ctx.aux_shape, ctx.aux_dtype = coef, aux.shape, aux.dtype
+        ctx.dtypes = a.dtype, b.dtype
+        return a + b
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        aux_grad = torch.full(ctx.aux_shape, ctx.coef, dtype=ctx.aux_dtype, device=grad.device)
+        return grad.to(ctx.dtypes[0]), grad.to(ctx.dtypes[1]), aux_grad, None
+
+
+class _ScatterWithAux(torch.autograd.Function):
+    """x.scatter(1, index, src); backward as autograd's scatter (the gradient scattered with
+    zeros at index for x, gathered at index for src) and `coef` into the scalar `aux`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, src: torch.Tensor, aux: torch.Tensor, coef: float):
+        ctx.coef, ctx.aux_shape, ctx.aux_dtype = coef, aux.shape, aux.dtype
+        ctx.save_for_backward(index)
+        return x.scatter(1, index, src)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (index,) = ctx.saved_tensors
+        aux_grad = torch.full(ctx.aux_shape, ctx.coef, dtype=ctx.aux_dtype, device=grad.device)
+        gx = grad.scatter(1, index, 0.0) if ctx.needs_input_grad[0] else None
+        gs = grad.gather(1, index) if ctx.needs_input_grad[2] else None
+        return gx, None, gs, aux_grad, None
+
+
+def _carries(aux: torch.Tensor, coef: float) -> bool:
+    return coef != 0.0 and torch.is_grad_enabled() and aux.requires_grad
+
+
+def add_with_aux(a: torch.Tensor, b: torch.Tensor, aux: torch.Tensor, coef: float) -> torch.Tensor:
+    """`attach_aux_loss(a + b, aux, coef)` in one operator forward (no copy)."""
+    if not _carries(aux, coef) or a.shape != b.shape or a.dtype != b.dtype:
+        return attach_aux_loss(a + b, aux, coef)
+    return _AddWithAux.apply(a, b, aux, float(coef))
+
+
+def scatter_with_aux(x: torch.Tensor, index: torch.Tensor, src: torch.Tensor, aux: torch.Tensor,
+                     coef: float) -> torch.Tensor:
+    """`attach_aux_loss(x.scatter(1, index, src), aux, coef)` in one operator forward (no copy)."""
+    if not _carries(aux, coef) or x.dtype != src.dtype:
+        return attach_aux_loss(x.scatter(1, index, src), aux, coef)
+    return _ScatterWithAux.apply(x, index, src, aux, float(coef))

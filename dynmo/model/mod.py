@@ -57,7 +57,7 @@ import torch.nn.functional as F
 
 from dynmo.config import MoDConfig, ModelConfig
 from dynmo.model import llama
-from dynmo.model.aux_loss import attach_aux_loss
+from dynmo.model.aux_loss import attach_aux_loss, scatter_with_aux
 from dynmo.model.gpt import MLP, CausalSelfAttention, Halves, active_rows
 from dynmo.model.stats import StepStats
 
@@ -134,14 +134,15 @@ class MoDRouting(Halves, nn.Module):
             return {}
         if self.part == "mlp":  # a split block's MLP half: its own rows; the routing is the attention half's
             return {"rows": s.sums["rows"], "tokens_processed": s.sums["tokens_processed"], "forwards": s.forwards}
+        v = s.sums["routing"].detach()
         return {
             "rows": s.sums["rows"],
             "attn_pairs": s.sums["attn_pairs"],
-            "tokens_processed": s.sums["tokens_processed"],
-            "active_tokens": s.sums["active_tokens"],
+            "tokens_processed": v[0].round().to(torch.int64),
+            "active_tokens": v[1].round().to(torch.int64),
             "capacity": self.capacity,
-            "predictor_accuracy": s.mean("predictor_accuracy"),
-            "aux_loss": s.mean("aux_loss"),
+            "predictor_accuracy": v[2] / s.forwards,
+            "aux_loss": v[3] / s.forwards,
             "forwards": s.forwards,
         }
 
@@ -156,7 +157,7 @@ class MoDRouting(Halves, nn.Module):
         the same values, with fewer operators."""
         h, g, idx, valid, w, _, aux = self._attn_rows(x, mask)
         new = h + w.unsqueeze(-1) * self.feed(h)
-        return attach_aux_loss(x.scatter(1, g, new), aux, self.opts.predictor_loss_coef), mask
+        return scatter_with_aux(x, g, new, aux, self.opts.predictor_loss_coef), mask
 
     def forward_with_aux(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's output and its (unweighted) predictor loss, for single-process use."""
@@ -170,23 +171,30 @@ class MoDRouting(Halves, nn.Module):
         chosen = torch.zeros_like(mask).scatter(1, idx, valid)
         return out, mask, route, chosen, aux
 
-    def _choose(self, logits: torch.Tensor, pred: torch.Tensor, mask: torch.Tensor, k: int):
+    def _choose(self, masked: torch.Tensor, pred: torch.Tensor, mask: torch.Tensor, k: int):
         """(idx [B, k'] the chosen positions in position order, padding rows last; valid [B, k'];
-        target [B, T] the router's top-k membership among active tokens, the predictor's label)."""
+        target [B, T] the router's top-k membership among active tokens, the predictor's label;
+        live) from the router logits with inactive tokens at -inf (`masked`)."""
         T = mask.shape[1]
-        top = logits.masked_fill(~mask, float("-inf")).topk(k, dim=1).indices
-        target = torch.zeros_like(mask).scatter(1, top, True) & mask  # router top-k membership
+        top = masked.topk(k, dim=1)
         if self.opts.routing == "topk":
-            idx, live = top, mask
+            # a top-k row is an inactive token's exactly where its logit is -inf
+            idx, pad, live = top.indices, top.values == float("-inf"), mask
         else:  # causal: each token decides alone; pad to the sequence with most accepted tokens
             live = (pred > 0) & mask
             n = max(1, int(live.sum(1).max()))
             idx = pred.masked_fill(~live, float("-inf")).topk(n, dim=1).indices
+            pad = ~live.gather(1, idx)
         # Chosen tokens in position order (attention stays causal among them); padding rows
         # (inactive or not accepted) go last, so no chosen token attends to them: one sort of
         # position + T for padding rows, whose keys give back both.
-        keys = (idx + T * ~live.gather(1, idx)).sort(dim=1).values
-        return keys.remainder(T), keys < T, target, live
+        keys = idx.add(pad, alpha=T).sort(dim=1).values
+        idx, valid = keys.remainder(T), keys < T
+        if self.opts.routing == "topk":  # the chosen active tokens are the router's top-k among them
+            target = torch.zeros_like(mask).scatter(1, idx, valid)
+        else:
+            target = torch.zeros_like(mask).scatter(1, top.indices, True) & mask
+        return idx, valid, target, live
 
     def _attn_rows(self, x: torch.Tensor, mask: torch.Tensor):
         """Routing and the attention update of the chosen rows: (h [B, k, D] the chosen rows
@@ -197,19 +205,26 @@ class MoDRouting(Halves, nn.Module):
         k = self.tokens_per_sequence(T)
         logits = self.router(x).squeeze(-1)  # [B, T]
         pred = self.predictor(x.detach()).squeeze(-1)  # [B, T]
+        masked = logits.masked_fill(~mask, float("-inf"))
         with torch.no_grad():
-            idx, valid, target, live = self._choose(logits, pred, mask, k)
+            idx, valid, target, live = self._choose(masked.detach(), pred, mask, k)
             # tokens processed (top-k: the chosen active ones; the predictor's: its accepted
-            # ones), predictions that agree with the router, active tokens
-            counts = torch.stack((target if self.opts.routing == "topk" else live,
-                                  ((pred > 0) == target) & mask, mask)).sum((1, 2))
+            # ones), predictions that agree with the router, active tokens; as floats, the
+            # predictor loss's target and weight among them
+            flags = torch.stack((target if self.opts.routing == "topk" else live, mask,
+                                 ((pred > 0) == target) & mask, target)).to(torch.float32)
+            counts = flags.sum((1, 2))  # exact below 2**24 tokens
+            tw = flags if pred.dtype == torch.float32 else flags.to(pred.dtype)
         g = idx.unsqueeze(-1).expand(-1, -1, D)
         sel = x.gather(1, g)  # [B, k, D]: the only tokens the block computes on
-        w = torch.sigmoid(logits.gather(1, idx)) * valid  # 0 on padding rows
+        if self.opts.routing == "topk":  # sigmoid(-inf) = 0: a padding row (inactive) weighs 0
+            w = torch.sigmoid(masked).gather(1, idx)
+        else:
+            w = torch.sigmoid(logits.gather(1, idx)) * valid  # 0 on padding rows
         h = sel + w.unsqueeze(-1) * self.attend(sel, idx)
-        aux = F.binary_cross_entropy_with_logits(pred, target.to(pred.dtype), mask.to(pred.dtype),
-                                                 reduction="sum") / counts[2].clamp_min(1)
-        self._record(idx.shape[1], B, counts, aux)
+        den = counts[1].clamp_min(1)
+        aux = F.binary_cross_entropy_with_logits(pred, tw[3], tw[1], reduction="sum") / den
+        self._record(idx.shape[1], B, counts, den, aux)
         return h, g, idx, valid, w, logits, aux
 
     def mlp_half(self, h: torch.Tensor, mask: torch.Tensor, route: torch.Tensor, chosen: torch.Tensor):
@@ -229,16 +244,11 @@ class MoDRouting(Halves, nn.Module):
         return h.scatter(1, g, new), mask
 
     @torch.no_grad()
-    def _record(self, k: int, B: int, counts, aux) -> None:
-        # device tensors, summed where they are; the metrics read them once a step
-        self._stats.add(
-            rows=B * k,
-            attn_pairs=B * k * (k + 1) // 2,
-            tokens_processed=counts[0],
-            active_tokens=counts[2],
-            predictor_accuracy=counts[1] / counts[2].clamp_min(1),
-            aux_loss=aux.detach(),
-        )
+    def _record(self, k: int, B: int, counts, den, aux) -> None:
+        # one device vector a forward (tokens processed, active tokens, predictor accuracy, loss),
+        # summed where it is: one addition a microbatch; the metrics read it once a step
+        self._stats.add(rows=B * k, attn_pairs=B * k * (k + 1) // 2,
+                        routing=torch.cat((counts[:2], counts[2:3] / den, aux.view(1))))
 
 
 class MoDBlock(MoDRouting):

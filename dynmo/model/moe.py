@@ -55,7 +55,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dynmo.config import MoEConfig, ModelConfig
-from dynmo.model.aux_loss import attach_aux_loss
+from dynmo.model.aux_loss import add_with_aux
 from dynmo.model.gpt import CausalSelfAttention, Halves
 from dynmo.model.grouped import GroupRows, add_group_bias, dispatch_grouped, grouped_mm, probe
 from dynmo.model.stats import StepStats
@@ -264,9 +264,14 @@ def routing_summary(s: StepStats) -> dict:
     """A step's routing statistics from the forwards' sums ({} before the first forward)."""
     if not s.forwards:
         return {}
-    rows = s.sums.get("expert_rows")
-    if rows is None:  # `dropless_grouped`: every assignment computed once, none dropped
-        rows = s.sums["tokens_per_expert"].sum()
+    if "routing" in s.sums:  # `dropless_grouped`: one vector, every assignment computed once, none dropped
+        v = s.sums["routing"].detach()
+        loads = v[:-3].round().to(torch.int64)
+        rows = loads.sum()
+        return {"tokens_per_expert": loads, "routing_imbalance": v[-1] / s.forwards, "expert_rows": rows,
+                "useful_rows": rows, "dropped": rows - rows, "active_tokens": v[-3].round().to(torch.int64),
+                "aux_loss": v[-2] / s.forwards, "forwards": s.forwards}
+    rows = s.sums["expert_rows"]
     return {
         "tokens_per_expert": s.sums["tokens_per_expert"],
         "routing_imbalance": s.mean("routing_imbalance"),
@@ -334,15 +339,15 @@ def dropless_grouped(x: torch.Tensor, logits: torch.Tensor, active: torch.Tensor
     y = y * torch.take(top_p.t().masked_fill(dead, 0.0), order).unsqueeze(1)  # promoted as in the padded path
     out = y.new_zeros(N + 1, y.shape[1]).index_add(0, token, y)[:N]
     # load-balancing loss E * sum_e f_e * P_e (`aux_loss`), f_e from the loads the offsets give
-    loads = offs - ends[:-1]
-    n_active = active.sum()
+    loads = (offs - ends[:-1]).to(torch.float32)  # exact below 2**24 assignments an expert
+    n_active = active.sum(dtype=torch.float32)
     f = loads.to(probs.dtype) / offs[-1].clamp(min=1)
     p = (probs * active.unsqueeze(1)).sum(0) / n_active.clamp(min=1)
     aux = E * (f * p).sum()
     with torch.no_grad():
-        # max / mean load (f's mean is 1 / E), 1 without any
-        stats.add(tokens_per_expert=loads, active_tokens=n_active, aux_loss=aux.detach(),
-                  routing_imbalance=(f.max() * E).clamp(min=1))
+        # one vector a forward, one addition a microbatch: the loads, the active tokens, the
+        # loss and max / mean load (f's mean is 1 / E; 1 without any); `routing_summary` reads it
+        stats.add(routing=torch.cat((loads, torch.stack((n_active, aux, (f.max() * E).clamp(min=1))))))
     return out, aux
 
 
@@ -363,7 +368,7 @@ class RoutedBlock(Halves, nn.Module):
 
     def mlp_half(self, x: torch.Tensor, mask: torch.Tensor):
         y, aux = self.moe_branch(x, mask)
-        return attach_aux_loss(x + y, aux, self.opts.aux_loss_coef), mask
+        return add_with_aux(x, y, aux, self.opts.aux_loss_coef), mask
 
     def forward_with_aux(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's output and its (unweighted) load-balancing loss, for single-process use."""
