@@ -57,7 +57,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dynmo.config import ConfigError, load_config
-from dynmo.estimate.flops import forward_flops_per_token
+from dynmo.flops import forward_flops_per_token
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -462,7 +462,7 @@ def render(meta: dict, rows: list[dict]) -> str:
                   "| forward | " + " | ".join(fmt(x, ".3f") for x in r["layer_fwd_ms"]) + " |",
                   "| backward | " + " | ".join(fmt(x, ".3f") for x in r["layer_bwd_ms"]) + " |", ""]
     lines += ["## How the figures are made", "",
-              "- Model FLOPs per token: `dynmo.estimate.flops.forward_flops_per_token` (the "
+              "- Model FLOPs per token: `dynmo.flops.forward_flops_per_token` (the "
               "model's nominal matmuls, causal attention, x 3 for training); model TFLOP/s = tokens/s x that; "
               "MFU = model TFLOP/s / the dense bf16 peak.",
               "- Per-layer times and memory come from the run's metrics.jsonl (docs/metrics.md).", ""]

@@ -125,7 +125,7 @@ class TrainConfig:
     compile: bool = False
     compile_backend: str = "inductor"
     # Refuse, before any process starts, a run whose estimated peak memory per rank
-    # (dynmo.estimate.memory) exceeds what the machine has (docs/failures.md); false skips the check.
+    # (dynmo.checks.footprint) exceeds what the machine has (docs/failures.md); false skips the check.
     preflight: bool = True
 
 
@@ -135,7 +135,7 @@ class ParallelConfig:
     dp: int = 1  # data-parallel replicas
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved1f1b | interleavedzb | zbv
     virtual_stages: int = 1  # stages per rank for interleaved schedules (zbv needs 2)
-    # flops (the partition of each layer's nominal FLOPs, dynmo.estimate.flops: the best layout known
+    # flops (the partition of each layer's nominal FLOPs, dynmo.flops: the best layout known
     # before step 0) | uniform (equal layers per stage) | params (equal parameters) |
     # boundaries "0,4,8,10" | sizes "4+4+2"
     layout: str = "flops"

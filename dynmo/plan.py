@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dynmo.balance import Problem, balance
 from dynmo.config import Config, ConfigError
-from dynmo.estimate.flops import unit_macs
+from dynmo.flops import unit_macs
 from dynmo.layout import Layout, LayoutError
 
 
@@ -54,7 +54,7 @@ def explicit_layout(text: str, cfg: Config, num_stages: int, where: str) -> Layo
 
 
 def layer_flops(cfg: Config) -> list[float]:
-    """Each unit's nominal multiply-adds per token (`dynmo.estimate.flops.unit_macs`), in layout order."""
+    """Each unit's nominal multiply-adds per token (`dynmo.flops.unit_macs`), in layout order."""
     return unit_macs(cfg.model, sublayer=cfg.parallel.unit == "sublayer")
 
 
@@ -73,7 +73,7 @@ def named_layout(name: str, units: int, num_stages: int, layer_params: list[int]
 
 def initial_layout(cfg: Config, num_stages: int, layer_params: list[int] | None = None) -> Layout:
     """`parallel.layout`: uniform (Megatron), params (DeepSpeed's partition of `layer_params`),
-    flops (the partition of the layers' nominal FLOPs, `dynmo.estimate.flops`) or explicit boundaries /
+    flops (the partition of the layers' nominal FLOPs, `dynmo.flops`) or explicit boundaries /
     sizes."""
     spec = cfg.parallel.layout.strip().lower()
     if spec in NAMED_LAYOUTS:

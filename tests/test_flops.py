@@ -1,11 +1,11 @@
-"""The nominal FLOP model (dynmo.estimate.flops) against the models' own parameter counts, and the
+"""The nominal FLOP model (dynmo.flops) against the models' own parameter counts, and the
 `flops` layout."""
 
 import pytest
 
 from dynmo.balance import Problem, balance
 from dynmo.config import Config, apply_dict
-from dynmo.estimate.flops import block_halves_macs, forward_flops_per_token, unit_macs
+from dynmo.flops import block_halves_macs, forward_flops_per_token, unit_macs
 from dynmo.layout import Layout
 from dynmo.model.layers import layer_param_counts
 from dynmo.plan import initial_layout, layer_flops, num_layers

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from dynmo import checks
-from dynmo.estimate import memory as footprint
+from dynmo.checks import footprint
 from dynmo.checks.memory import check_memory
 from dynmo.config import ConfigError, load_config
 from tests.conftest import ROOT

@@ -10,6 +10,10 @@ it again at start-up. `validate` runs the checks in order, each part in its own 
     dynmo.checks.data        Hugging Face weights, the run folder, the trace, the text, and the
                              checkpoint `checkpoint.resume` names
 
+and, once the config is valid, `dynmo.checks.memory.check_memory` (the launcher's pre-flight):
+the fullest rank's estimate (`dynmo.checks.footprint`, the balancer's memory model from the
+config) against what the machine has (`dynmo.machine`).
+
 Their names stay importable from here.
 """
 

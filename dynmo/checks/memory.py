@@ -1,6 +1,6 @@
 """Pre-flight: a run whose ranks cannot hold what the config asks is refused before it starts.
 
-The estimate is `dynmo.estimate.memory` (the balancer's memory model with figures from the config);
+The estimate is `dynmo.checks.footprint` (the balancer's memory model with figures from the config);
 what a rank has is read by `dynmo.machine`: on CUDA (`parallel.backend` nccl, or auto with
 GPUs listed by the driver) the free memory of the least free of the local devices the ranks
 use; on CPU the available RAM divided among this machine's ranks. `train.preflight = false`
@@ -11,9 +11,9 @@ balancer's cap (`balance.memory_gb`), which must not promise a rank more than it
 from __future__ import annotations
 
 from dynmo import machine
-from dynmo.estimate import memory as footprint
+from dynmo.checks import footprint
 from dynmo.config import Config, ConfigError
-from dynmo.estimate.memory import RankMemory, gb
+from dynmo.checks.footprint import RankMemory, gb
 from dynmo.loop import bytes_per_param
 from dynmo.plan import num_layers, parse_relayouts, resolve_pp
 

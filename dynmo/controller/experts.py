@@ -21,7 +21,7 @@ noise alone):
               engine the layer controller scores layouts with. The layer's measured seconds
               per microbatch at step k are taken apart into the part its experts take, the
               share `expert_share` (the experts' nominal multiply-adds over the unit's,
-              `dynmo.estimate.flops.expert_share`), which follows the busiest expert-parallel rank's
+              `dynmo.flops.expert_share`), which follows the busiest expert-parallel rank's
               tokens, and the rest, which does not: the layer costs
               c_k x (1 - s + s x busiest(proposal, loads_k) / busiest(current, loads_k)) under
               the proposal, every other layer as measured. A layer off the pipeline's critical

@@ -13,7 +13,7 @@ from dynmo.balance.experts import MOVE_BYTES_PER_PARAM
 from dynmo.config import Config
 from dynmo.controller.experts import ExpertBalancer
 from dynmo.data import TokenData, prepare
-from dynmo.estimate.flops import expert_share
+from dynmo.flops import expert_share
 from dynmo.layout import Layout
 from dynmo.loop import DynmoLoop, bytes_per_param
 from dynmo.runtime import checkpoint, experts, probe

@@ -21,7 +21,7 @@ Policies (one placement per MoE layer, the same in every EP group):
            the tokens per expert summed over the replicas): placements by
            `dynmo.controller.experts.ExpertBalancer`, which scores a proposal by the simulated
            step time of the layout in force (`DynmoLoop.step_times`, the expert share of a MoE
-           unit from `dynmo.estimate.flops.expert_share`) and moves experts when the saving is significant
+           unit from `dynmo.flops.expert_share`) and moves experts when the saving is significant
            and repays the move; with layouts = "dynmo", the layer layout by `dynmo.loop.DynmoLoop`
            (`balance.when = "auto"`), starting on the default start (the FLOP model's layout),
            before the placement decision of each step. A layer layout change is charged as the
@@ -61,7 +61,7 @@ from dynmo.config import BalanceConfig
 from dynmo.controller import candidates
 from dynmo.controller.experts import ExpertBalancer, order_of, placement_of
 from dynmo.engine import SimInputError
-from dynmo.estimate.flops import expert_share
+from dynmo.flops import expert_share
 from dynmo.layout import Layout
 from dynmo.loop import DynmoLoop
 from dynmo.plan import named_layout

@@ -27,7 +27,7 @@ squares: a is the non-expert part (attention, norms, router), b the cost of one 
 layer's measured cost at a step is then split in the proportion b x rows : a of that step's rows,
 so its noise stays with both parts. Where the fit is unusable (a < 0, b <= 0, under 3 points or
 rows that never vary) the split falls back to the model's nominal multiply-adds
-(`dynmo.estimate.flops`: attention and router per token, one expert's MLP per routed row), which
+(`dynmo.flops`: attention and router per token, one expert's MLP per routed row), which
 `split = "flops"` also forces. `ExpertReplay.split` reports both (the fit's R^2, the expert
 share of the median MoE layer under each), so a reader sees how far they agree.
 
@@ -62,7 +62,7 @@ from dynmo.config import ModelConfig
 from dynmo.controller.evidence import CONFIDENCE
 from dynmo.controller.migration import MIGRATION_BANDWIDTH, MIGRATION_FIXED_S
 from dynmo.engine import SimInputError, StageTimes, simulate_plan, build_plan
-from dynmo.estimate.flops import attention_macs, mlp_macs
+from dynmo.flops import attention_macs, mlp_macs
 from dynmo.layout import Layout
 from dynmo.loop import BYTES_PER_PARAM
 from dynmo.sim.replay.options import ReplayOptions, schedule_of

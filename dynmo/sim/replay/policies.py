@@ -12,7 +12,7 @@ import numpy as np
 from dynmo.balance import Problem, balance
 from dynmo.controller import candidates
 from dynmo.engine import SimInputError
-from dynmo.estimate.flops import block_halves_macs, head_macs
+from dynmo.flops import block_halves_macs, head_macs
 from dynmo.layout import Layout
 from dynmo.loop import DynmoLoop
 from dynmo.plan import named_layout
@@ -38,7 +38,7 @@ def static_layout(name: str, trace: Trace, stages: int, runner: Runner) -> Layou
 
 
 def trace_flops(trace: Trace) -> list[float]:
-    """Each traced unit's nominal multiply-adds per token (`dynmo.estimate.flops`), from the model config in
+    """Each traced unit's nominal multiply-adds per token (`dynmo.flops`), from the model config in
     the trace's header; a scaled trace's new blocks take their source blocks' (`block_map`)."""
     model = traced_model(trace.header)
     if model is None:
