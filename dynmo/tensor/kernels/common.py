@@ -9,6 +9,7 @@ number of threads (no atomics, no privatised copies summed in a thread-dependent
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 DTYPES = {"float64": np.float64, "float32": np.float32}
 TASKS = 512  # at most this many runs of rows per mode; many more than threads, for balance
@@ -44,3 +45,10 @@ def set_threads(n: int | None) -> int:
     top = numba.config.NUMBA_NUM_THREADS
     numba.set_num_threads(top if n is None else max(1, min(int(n), top)))
     return numba.get_num_threads()
+
+
+@njit(cache=True)
+def times_row(buf, f, row):
+    """buf *= factor row `row`: one mode's part of a nonzero's Khatri-Rao product (COO, HiCOO)."""
+    for r in range(buf.size):
+        buf[r] *= f[row, r]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from dynmo.tensor.kernels.common import tasks
+from dynmo.tensor.kernels.common import tasks, times_row
 
 
 class COO:
@@ -52,14 +52,10 @@ def _coo_mode(coords, vals, perm, row_ptr, bounds, f, offs, mode, out):
             acc[:] = 0
             for p in range(row_ptr[i], row_ptr[i + 1]):
                 j = perm[p]
-                v = vals[j]
-                for r in range(rank):
-                    tmp[r] = v
+                tmp[:] = vals[j]
                 for k in range(order):
                     if k != mode:
-                        row = offs[k] + coords[k, j]
-                        for r in range(rank):
-                            tmp[r] *= f[row, r]
+                        times_row(tmp, f, offs[k] + coords[k, j])
                 for r in range(rank):
                     acc[r] += tmp[r]
             for r in range(rank):

@@ -17,7 +17,7 @@ import numpy as np
 from numba import njit, prange
 
 from dynmo.tensor.coo import mixed_key
-from dynmo.tensor.kernels.common import tasks
+from dynmo.tensor.kernels.common import tasks, times_row
 
 
 def block_bits(sizes: tuple[int, ...]) -> int:
@@ -107,14 +107,10 @@ def _hicoo_mode(bptr, bcoord, eoff, vals, bperm, brow_ptr, bounds, bits, f, offs
                     base[k] = offs[k] + (np.int64(bcoord[k, blk]) << bits)
                 out_base = np.int64(bcoord[mode, blk]) << bits
                 for j in range(bptr[blk], bptr[blk + 1]):
-                    v = vals[j]
-                    for r in range(rank):
-                        tmp[r] = v
+                    tmp[:] = vals[j]
                     for k in range(order):
                         if k != mode:
-                            row = base[k] + eoff[k, j]
-                            for r in range(rank):
-                                tmp[r] *= f[row, r]
+                            times_row(tmp, f, base[k] + eoff[k, j])
                     i = out_base + eoff[mode, j]
                     for r in range(rank):
                         out[i, r] += tmp[r]
