@@ -75,6 +75,25 @@ def test_jsonl_shards_hold_each_document_then_eos(tmp_path, tok_file, suffix):
     assert dtype == np.uint16 and lengths.sum() == m["shards"][0]["tokens"]
 
 
+def test_a_checkpoint_post_processor_runs_on_every_document(tmp_path, tok_file):
+    """A Llama-style tokenizer starts each document with <s>: the shards hold encode()'s ids."""
+    from tokenizers import AddedToken
+    from tokenizers.processors import TemplateProcessing
+
+    tok = Tokenizer.from_file(str(tok_file))
+    tok.add_special_tokens([AddedToken("<s>", special=True)])
+    tok.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    tok.save(str(ckpt / "tokenizer.json"))
+    texts = docs(120, 3)
+    src = write_jsonl(tmp_path / "c.jsonl", texts)
+    prepare_folder([str(src)], str(ckpt), str(tmp_path / "out"), workers=1, shard_mb=0.003, quiet=True)
+    got = shard_docs(tmp_path / "out")
+    assert got == brute(ckpt / "tokenizer.json", texts)
+    assert all(d[0] == tok.token_to_id("<s>") for d in got)
+
+
 def test_text_parquet_and_saved_dataset(tmp_path, tok_file):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
