@@ -62,13 +62,15 @@ def block_capacity(m: ModelConfig, block: int) -> float:
 
 def block_halves_macs(m: ModelConfig, block: int) -> tuple[float, float]:
     """(attention half, MLP half) multiply-adds per token of the sequence for block `block`. A
-    Mixture-of-Depths block's router and predictor (d_model each, on every token) count in its
+    Mixture-of-Depths block's router and predictor (d_model each, on every token, and the
+    router again on the chosen tokens; at capacity 1.0 the router alone) count in its
     attention half, where it decides."""
     if m.block != "mod":
         return attention_macs(m), mlp_macs(m)
     c = block_capacity(m, block)
     k = round(c * m.seq_len)  # tokens per sequence it computes
-    return c * attention_macs(m, k) + 2 * m.d_model, c * mlp_macs(m)
+    routing = 1.0 if c >= 1.0 else 2 + c
+    return c * attention_macs(m, k) + routing * m.d_model, c * mlp_macs(m)
 
 
 def expert_share(m: ModelConfig, sublayer: bool = False) -> float:

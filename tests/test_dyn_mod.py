@@ -37,13 +37,16 @@ def chosen_by_router(block, x, mask, k):
     return torch.zeros_like(mask).scatter(1, r.topk(k, dim=1).indices, True) & mask
 
 
+@pytest.mark.parametrize("inactive", [False, True], ids=["all-active", "inactive"])
 @pytest.mark.parametrize("capacity", [0.125, 0.5])
-def test_unchosen_tokens_pass_bitwise(capacity):
+def test_unchosen_tokens_pass_bitwise(capacity, inactive):
     torch.manual_seed(0)
     block = make(capacity=capacity)
     x = torch.randn(B, T, D)
     mask = torch.ones(B, T, dtype=torch.bool)
-    mask[2, 3:] = False  # inactive tokens can never be chosen (even when fewer than k are active)
+    if inactive:  # a block told so never chooses an inactive token (even when fewer than k are active)
+        block.skip_inactive = True
+        mask[2, 3:] = False
     out, m = block(x, mask)
     assert m is mask
     chosen = chosen_by_router(block, x, mask, block.tokens_per_sequence(T))
@@ -119,9 +122,11 @@ def test_compute_scales_with_capacity(capacity):
     with FlopCounterMode(display=False) as flops, SdpaShapes() as sdpa:
         block(x, mask)
     # Linear layers: qkv 3D^2 + proj D^2 + fc 2D^2 + proj 2D^2 = 8D^2 MACs per chosen token,
-    # plus router and predictor (D MACs each) on every token.
+    # plus router and predictor (D MACs each) on every token and the router again on the
+    # chosen ones; at capacity 1.0 (no choice) the router alone.
     matmul = sum(v for op, v in flops.get_flop_counts()["Global"].items() if "mm" in str(op))
-    assert matmul == 2 * 8 * D * D * B * k + 2 * 2 * D * B * T
+    routing = D * B * T if capacity == 1.0 else 2 * D * B * T + D * B * k
+    assert matmul == 2 * 8 * D * D * B * k + 2 * routing
     assert sdpa.shapes == [(B, 2, k, D // 2)]  # attention over the k chosen tokens only
     assert block.last_stats["rows"] == B * k
     assert block.last_stats["attn_pairs"] == B * k * (k + 1) // 2
@@ -227,12 +232,13 @@ class _NoDeviceReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.parametrize("inactive", [False, True], ids=["all-active", "inactive"])
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 @pytest.mark.parametrize("part", [None, "halves"])
-def test_top_k_routing_never_reads_the_device(family, part):
+def test_top_k_routing_never_reads_the_device(family, part, inactive):
     """Forward and backward of a top-k MoD block, whole or as its two halves, over two
-    microbatches with inactive tokens: no host synchronisation; the stats, read once after,
-    are the right numbers."""
+    microbatches, every token active or some inactive: no host synchronisation; the stats,
+    read once after, are the right numbers."""
     from dynmo.model.stats import as_numbers
 
     cfg = ModelConfig(d_model=D, n_heads=2, seq_len=T, n_layers=2, mlp_ratio=2, block="mod", family=family,
@@ -240,7 +246,9 @@ def test_top_k_routing_never_reads_the_device(family, part):
     block = build_layer(LayerSpec("t", 0), cfg, seed=0)
     k = block.tokens_per_sequence(T)
     mask = torch.ones(B, T, dtype=torch.bool)
-    mask[0, :3] = False
+    if inactive:
+        block.skip_inactive = True
+        mask[0, :3] = False
     with _NoDeviceReads():
         for _ in range(2):
             x = torch.randn(B, T, D, requires_grad=True)
@@ -251,5 +259,32 @@ def test_top_k_routing_never_reads_the_device(family, part):
             y.square().sum().backward()
     (stats,) = as_numbers([block.last_stats])
     assert stats["rows"] == 2 * B * k and stats["forwards"] == 2
-    assert stats["active_tokens"] == 2 * (B * T - 3)
+    assert stats["active_tokens"] == 2 * (B * T - 3 * inactive)
     assert 0 < stats["tokens_processed"] <= 2 * B * k and 0 <= stats["predictor_accuracy"] <= 1
+    assert stats["tokens_processed"] == 2 * B * k or inactive
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+@pytest.mark.parametrize("capacity", [1.0, 0.25])
+def test_whole_block_is_its_two_halves_bitwise(family, capacity):
+    """The whole block (the chosen rows gathered and scattered once; at capacity 1.0 every token
+    in place) and its two halves (the routing handed over as the carry): the same output and the
+    same gradients, bit for bit."""
+    cfg = ModelConfig(d_model=D, n_heads=2, seq_len=T, n_layers=2, mlp_ratio=2, block="mod", family=family,
+                      mod=MoDOptions(capacity=capacity, predictor_loss_coef=0.5))
+    block = build_layer(LayerSpec("t", 0), cfg, seed=0)
+    with torch.no_grad():
+        block.router.weight.normal_(0.0, 1.0)
+    x, mask = torch.randn(B, T, D), torch.ones(B, T, dtype=torch.bool)
+    upstream = torch.randn(B, T, D)
+    runs = []
+    for whole in (True, False):
+        block.zero_grad()
+        xi = x.clone().requires_grad_()
+        y = block(xi, mask)[0] if whole else block.mlp_half(*block.attn_half(xi, mask))[0]
+        (y * upstream).sum().backward()
+        runs.append([y.detach(), xi.grad] + [p.grad for p in block.parameters()])
+    predictor = 2 + [n for n, _ in block.named_parameters()].index("predictor.weight")
+    assert (runs[0][predictor] is None) == (capacity == 1.0)  # the predictor trains where there is a choice
+    for a, b in zip(*runs):
+        assert (a is None and b is None) or torch.equal(a, b)

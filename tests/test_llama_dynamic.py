@@ -99,9 +99,11 @@ def test_mod_compute_scales_with_capacity(capacity):
     with FlopCounterMode(display=False) as flops, SdpaShapes() as sdpa:
         block(x, mask)
     # per chosen token: q and o D*D each, k and v D*KV*HD each, SwiGLU 3*D*INTER; router and
-    # predictor D each on every token
+    # predictor D each on every token, the router again on the chosen ones (at capacity 1.0:
+    # the router alone)
     per_token = 2 * D * D + 2 * D * KV * HD + 3 * D * INTER
-    assert matmul_flops(flops) == 2 * per_token * B * k + 2 * 2 * D * B * T
+    routing = D * B * T if capacity == 1.0 else 2 * D * B * T + D * B * k
+    assert matmul_flops(flops) == 2 * per_token * B * k + 2 * routing
     assert sdpa.shapes == [(B, H, k, HD)]
     s = block.last_stats
     assert (s["rows"], s["attn_pairs"], s["capacity"]) == (B * k, B * k * (k + 1) // 2, capacity)

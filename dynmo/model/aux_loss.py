@@ -12,6 +12,22 @@ from __future__ import annotations
 import torch
 
 
+_SEEDS: dict[tuple, torch.Tensor] = {}  # (coef, shape, dtype, device) -> the constant gradient
+
+
+def seed(ctx, device: torch.device) -> torch.Tensor:
+    """The gradient `coef` of the auxiliary loss, a constant: made once per coefficient, shape,
+    dtype and device and handed to every backward (no fill launched per microbatch). Nothing
+    writes into a gradient it is handed, and the kept reference stops autograd from reusing
+    it. Made anew inside a compiled graph, where it is the graph's constant."""
+    key = (ctx.coef, tuple(ctx.aux_shape), ctx.aux_dtype, device)
+    if torch.compiler.is_compiling():
+        return torch.full(key[1], key[0], dtype=key[2], device=device)
+    if key not in _SEEDS:
+        _SEEDS[key] = torch.full(key[1], key[0], dtype=key[2], device=device)
+    return _SEEDS[key]
+
+
 class _AuxLossScaler(torch.autograd.Function):
     """Identity on `x`; backward also sends gradient `coef` into the scalar `aux`."""
 
@@ -25,7 +41,7 @@ class _AuxLossScaler(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        aux_grad = torch.full(ctx.aux_shape, ctx.coef, dtype=ctx.aux_dtype, device=grad.device)
+        aux_grad = seed(ctx, grad.device)
         return grad, aux_grad, None
 
 
@@ -55,7 +71,7 @@ class _AddWithAux(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        aux_grad = torch.full(ctx.aux_shape, ctx.coef, dtype=ctx.aux_dtype, device=grad.device)
+        aux_grad = seed(ctx, grad.device)
         return grad.to(ctx.dtypes[0]), grad.to(ctx.dtypes[1]), aux_grad, None
 
 
@@ -72,7 +88,7 @@ class _ScatterWithAux(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (index,) = ctx.saved_tensors
-        aux_grad = torch.full(ctx.aux_shape, ctx.coef, dtype=ctx.aux_dtype, device=grad.device)
+        aux_grad = seed(ctx, grad.device)
         gx = grad.scatter(1, index, 0.0) if ctx.needs_input_grad[0] else None
         gs = grad.gather(1, index) if ctx.needs_input_grad[2] else None
         return gx, None, gs, aux_grad, None

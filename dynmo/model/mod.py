@@ -31,7 +31,12 @@ only the config; `dynmo.model.layers.tag_layer` sets `layer.index = spec.index -
 `build_layer` builds the block and when a migrated block is rebuilt on its new rank. Without
 `capacities`, every block uses `capacity` and the index is not needed.
 
-Only active tokens (mask True) can be chosen; the mask passes through unchanged.
+At capacity 1.0 there is no choice: every token goes through the block in place, each update
+weighted by its router weight, and there is no predictor to train.
+
+With `skip_inactive` set, only active tokens (mask True) can be chosen; unset (the default, as
+in the dense blocks: no case deactivates tokens in a model of routed blocks) the mask is not
+read. The mask passes through unchanged.
 
 `MoDRouting` holds all of the above; a family's block only supplies its sub-layers and their
 attention and MLP branches: `MoDBlock` (gpt) and `LlamaMoDBlock` (llama, whose attention
@@ -41,7 +46,7 @@ where their rotary phase would otherwise be taken from).
 Per-layer stats (`block.last_stats`, summed over the forwards since `block.reset_stats()`):
 rows (token rows the block computed: its cost, B x k per forward), tokens_processed (active
 chosen tokens), active_tokens, capacity, attn_pairs (causal query-key pairs among chosen
-tokens), predictor_accuracy and aux_loss (means), forwards. A split block's MLP half reports
+tokens), predictor_accuracy and aux_loss (means; not at capacity 1.0), forwards. A split block's MLP half reports
 its own rows, tokens_processed and forwards; its attention half everything else. The
 measured ones stay device tensors until the metrics read them (`dynmo.model.stats.as_numbers`,
 once per step); with top-k routing no step of the block waits on the device.
@@ -58,6 +63,7 @@ import torch.nn.functional as F
 from dynmo.config import MoDConfig, ModelConfig
 from dynmo.model import llama
 from dynmo.model.aux_loss import attach_aux_loss, scatter_with_aux
+from dynmo.model.gated import gated_add
 from dynmo.model.gpt import MLP, CausalSelfAttention, Halves, active_rows
 from dynmo.model.stats import StepStats
 
@@ -134,19 +140,46 @@ class MoDRouting(Halves, nn.Module):
             return {}
         if self.part == "mlp":  # a split block's MLP half: its own rows; the routing is the attention half's
             return {"rows": s.sums["rows"], "tokens_processed": s.sums["tokens_processed"], "forwards": s.forwards}
-        v = s.sums["routing"].detach()
-        return {
-            "rows": s.sums["rows"],
-            "attn_pairs": s.sums["attn_pairs"],
-            "tokens_processed": v[0].round().to(torch.int64),
-            "active_tokens": v[1].round().to(torch.int64),
-            "capacity": self.capacity,
-            "predictor_accuracy": v[2] / s.forwards,
-            "aux_loss": v[3] / s.forwards,
-            "forwards": s.forwards,
-        }
+        out = {"rows": s.sums["rows"], "attn_pairs": s.sums["attn_pairs"]}
+        if "routing" in s.sums:  # routed with the mask (`_attn_rows`): one device vector a forward
+            v = s.sums["routing"].detach()
+            tokens, active, correct, aux = v[0].round().to(torch.int64), v[1].round().to(torch.int64), v[2], v[3]
+        else:  # every token active: the counts are the shapes', the loss summed over the tokens
+            tokens, active = s.sums["tokens_processed"], s.sums["active_tokens"]
+            correct, aux = s.sums.get("correct"), s.sums.get("aux")
+            aux = None if aux is None else aux * (s.forwards / active)
+        out |= {"tokens_processed": tokens, "active_tokens": active, "capacity": self.capacity, "forwards": s.forwards}
+        if correct is not None:  # a block at capacity 1.0 has no predictor to train
+            out |= {"predictor_accuracy": correct / (active.clamp_min(1) if torch.is_tensor(active) else max(active, 1)),
+                    "aux_loss": aux / s.forwards}
+        return out
+
+    # Whether the block may be handed inactive tokens (mask False) and must never choose them.
+    # Off (the default), as for the dense blocks, the block never looks at the mask: no case
+    # deactivates tokens in a model of routed blocks (early exit runs on dense blocks only), so
+    # every token is active and routing costs no masking.
+    skip_inactive = False
+
+    def _lean(self) -> bool:
+        """Top-k routing over a sequence whose tokens are all active: the routing path with the
+        fewest operators (`_lean_rows`)."""
+        return self.opts.routing == "topk" and not self.skip_inactive
+
+    def _whole(self) -> bool:
+        """Capacity 1.0 (and no inactive token to leave out): every token goes through the
+        block, in place; there is no choice to make, so no top-k, gather or scatter, and no
+        predictor to train (`_whole_weights`)."""
+        return self.capacity >= 1.0 and not self.skip_inactive
 
     def attn_half(self, x: torch.Tensor, mask: torch.Tensor):
+        if self._whole():
+            w = self._whole_weights(x)
+            return gated_add(x, w, self.attend(x, None)), mask, w.squeeze(-1), mask
+        if self._lean():
+            h, g, idx, w, aux, n = self._lean_rows(x)
+            route = w.new_zeros(x.shape[:2]).scatter(1, idx, w.squeeze(-1))
+            chosen = torch.zeros_like(mask).scatter(1, idx, True)
+            return scatter_with_aux(x, g, h, aux, self.opts.predictor_loss_coef / n), mask, route, chosen
         x, mask, route, chosen, aux = self._attn_half(x, mask)
         return attach_aux_loss(x, aux, self.opts.predictor_loss_coef), mask, route, chosen
 
@@ -155,14 +188,59 @@ class MoDRouting(Halves, nn.Module):
         back once. The same rows, weights and operations as the two halves (which scatter after
         the attention and gather again for the MLP, as a stage boundary between them needs), so
         the same values, with fewer operators."""
-        h, g, idx, valid, w, _, aux = self._attn_rows(x, mask)
-        new = h + w.unsqueeze(-1) * self.feed(h)
-        return scatter_with_aux(x, g, new, aux, self.opts.predictor_loss_coef), mask
+        if self._whole():
+            w = self._whole_weights(x)
+            h = gated_add(x, w, self.attend(x, None))
+            return gated_add(h, w, self.feed(h)), mask
+        if self._lean():
+            h, g, idx, w, aux, n = self._lean_rows(x)
+            coef = self.opts.predictor_loss_coef / n
+        else:
+            h, g, idx, valid, w, _, aux = self._attn_rows(x, mask)
+            w, coef = w.unsqueeze(-1), self.opts.predictor_loss_coef
+        new = gated_add(h, w, self.feed(h))
+        return scatter_with_aux(x, g, new, aux, coef), mask
 
     def forward_with_aux(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's output and its (unweighted) predictor loss, for single-process use."""
+        if self._whole():
+            return self.dense_forward(x, mask)[0], x.new_zeros(())
+        if self._lean():
+            h, g, idx, w, aux, n = self._lean_rows(x)
+            return x.scatter(1, g, gated_add(h, w, self.feed(h))), aux / n
         h, mask, route, chosen, aux = self._attn_half(x, mask)
         return self.mlp_half(h, mask, route, chosen)[0], aux
+
+    def _whole_weights(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, 1] router weights of a block at capacity 1.0, with its stats."""
+        B, T, _ = x.shape
+        self._stats.add(rows=B * T, attn_pairs=B * T * (T + 1) // 2, tokens_processed=B * T, active_tokens=B * T)
+        return torch.sigmoid(self.router(x))
+
+    def _lean_rows(self, x: torch.Tensor):
+        """`_attn_rows` for top-k routing with every token active: (h [B, k, D] the chosen rows
+        after attention, g their gather index, idx [B, k] their positions in order, w [B, k, 1]
+        their router weights, the predictor loss summed over the tokens, and their number: the
+        mean's gradient is the sum's with the coefficient divided by it, no division a step).
+        The router scores every token without a gradient, to choose; the chosen rows' weights
+        are the router's again on those rows, so its gradient runs through k rows, not a
+        gather of T."""
+        B, T, D = x.shape
+        k = self.tokens_per_sequence(T)
+        pred = self.predictor(x.detach()).squeeze(-1)  # [B, T]
+        with torch.no_grad():
+            top = self.router(x).squeeze(-1).topk(k, dim=1, sorted=False).indices
+            idx = top.sort(dim=1).values  # in position order: attention stays causal among them
+            target = torch.zeros_like(pred).scatter_(1, top, 1.0)  # the predictor's label: chosen or not
+            correct = ((pred > 0) == target).sum()
+        g = idx.unsqueeze(-1).expand(-1, -1, D)
+        sel = x.gather(1, g)  # [B, k, D]: the only tokens the block computes on
+        w = torch.sigmoid(self.router(sel))  # [B, k, 1]
+        h = gated_add(sel, w, self.attend(sel, idx))
+        aux = F.binary_cross_entropy_with_logits(pred, target, reduction="sum")
+        self._stats.add(rows=B * k, attn_pairs=B * k * (k + 1) // 2, tokens_processed=B * k, active_tokens=B * T,
+                        correct=correct, aux=aux.detach())
+        return h, g, idx, w, aux, B * T
 
     def _attn_half(self, x: torch.Tensor, mask: torch.Tensor):
         h, g, idx, valid, w, logits, aux = self._attn_rows(x, mask)
@@ -221,16 +299,20 @@ class MoDRouting(Halves, nn.Module):
             w = torch.sigmoid(masked).gather(1, idx)
         else:
             w = torch.sigmoid(logits.gather(1, idx)) * valid  # 0 on padding rows
-        h = sel + w.unsqueeze(-1) * self.attend(sel, idx)
+        h = gated_add(sel, w.unsqueeze(-1), self.attend(sel, idx))
         den = counts[1].clamp_min(1)
         aux = F.binary_cross_entropy_with_logits(pred, tw[3], tw[1], reduction="sum") / den
-        self._record(idx.shape[1], B, counts, den, aux)
+        self._record(idx.shape[1], B, counts, aux)
         return h, g, idx, valid, w, logits, aux
 
     def mlp_half(self, h: torch.Tensor, mask: torch.Tensor, route: torch.Tensor, chosen: torch.Tensor):
         """The MLP's weighted update of the rows the attention half chose (in position order,
         padded to the sequence with most of them); every other row passes bit for bit."""
-        T, D = h.shape[1:]
+        B, T, D = h.shape
+        if self._whole():
+            if self.part == "mlp":  # a whole block counted its rows in its attention half
+                self._stats.add(rows=B * T, tokens_processed=B * T)
+            return gated_add(h, route.unsqueeze(-1), self.feed(h)), mask
         # top-k routing chose at most k tokens a sequence: k rows, padded, with no host
         # synchronisation; the predictor's count is the data's
         width = self.tokens_per_sequence(T) if self.opts.routing == "topk" else None
@@ -238,17 +320,16 @@ class MoDRouting(Halves, nn.Module):
         g = idx.unsqueeze(-1).expand(-1, -1, D)
         sel = h.gather(1, g)
         w = route.gather(1, idx).unsqueeze(-1)  # 0 on padding rows: their update is an exact zero
-        new = sel + w * self.feed(sel)
+        new = gated_add(sel, w, self.feed(sel))
         if self.part == "mlp":  # a whole block counted its rows in its attention half
-            self._stats.add(rows=idx.shape[0] * idx.shape[1], tokens_processed=valid.sum())
+            self._stats.add(rows=B * idx.shape[1], tokens_processed=B * width if self._lean() else valid.sum())
         return h.scatter(1, g, new), mask
 
     @torch.no_grad()
-    def _record(self, k: int, B: int, counts, den, aux) -> None:
-        # one device vector a forward (tokens processed, active tokens, predictor accuracy, loss),
-        # summed where it is: one addition a microbatch; the metrics read it once a step
-        self._stats.add(rows=B * k, attn_pairs=B * k * (k + 1) // 2,
-                        routing=torch.cat((counts[:2], counts[2:3] / den, aux.view(1))))
+    def _record(self, k: int, B: int, counts, aux) -> None:
+        # one device vector a forward (tokens processed, active tokens, agreeing predictions,
+        # loss), summed where it is: one addition a microbatch; the metrics read it once a step
+        self._stats.add(rows=B * k, attn_pairs=B * k * (k + 1) // 2, routing=torch.cat((counts[:3], aux.view(1))))
 
 
 class MoDBlock(MoDRouting):
