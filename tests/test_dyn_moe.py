@@ -93,7 +93,8 @@ def test_equals_per_expert_loop(capacity_factor, partial_mask, dispatch):
     perturb(block)
     x = torch.randn(B, T, D)
     mask = torch.ones(B, T, dtype=torch.bool)
-    if partial_mask:
+    if partial_mask:  # a block told that tokens may be inactive routes the active ones only
+        block.skip_inactive = True
         mask[1, 5:] = False
     with torch.no_grad():
         out, m = block(x, mask)
@@ -214,6 +215,7 @@ def test_grouped_reads_no_device_value(monkeypatch):
     each read would wait for the device), capacity factor and a partial mask included."""
     torch.manual_seed(7)
     block = make(capacity_factor=0.75)
+    block.skip_inactive = True
     perturb(block)
     x, mask = torch.randn(B, T, D), torch.rand(B, T) > 0.3
 
@@ -257,6 +259,7 @@ def test_grouped_equals_a_brute_force_loop_forward_and_backward(experts, k, cf, 
     torch.manual_seed(seed)
     block = make(num_experts=experts, top_k=k, capacity_factor=cf, norm_topk_prob=norm, aux_loss_coef=0.0)
     perturb(block, seed)
+    block.skip_inactive = keep < 1.0  # every token active: the block does not read the mask
     x = torch.randn(2, t, D)
     mask = torch.rand(2, t) < keep
     was = torch.are_deterministic_algorithms_enabled()
@@ -271,15 +274,18 @@ def test_grouped_equals_a_brute_force_loop_forward_and_backward(experts, k, cf, 
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("inactive", [False, True], ids=["all-active", "inactive"])
 @pytest.mark.parametrize("cf", [0.0, 4.0])  # dropless, and a capacity that drops nothing
-def test_grouped_equals_padded_forward_and_backward(cf):
+def test_grouped_equals_padded_forward_and_backward(cf, inactive):
     torch.manual_seed(8)
     grouped = make(capacity_factor=cf)
     perturb(grouped)
     padded = make(capacity_factor=cf, dispatch="padded")
     padded.load_state_dict(grouped.state_dict())
     x, mask = torch.randn(B, T, D), torch.ones(B, T, dtype=torch.bool)
-    mask[0, 3:] = False
+    if inactive:
+        grouped.skip_inactive = padded.skip_inactive = True
+        mask[0, 3:] = False
 
     def with_aux(block):
         def fn(xi):
@@ -421,6 +427,7 @@ def test_the_per_expert_loop_fallback_gives_the_grouped_block(monkeypatch):
 
     torch.manual_seed(10)
     block = make(capacity_factor=0.75)
+    block.skip_inactive = True
     perturb(block)
     x, mask = torch.randn(B, T, D), torch.rand(B, T) > 0.2
     got = grads_of(block, x, mask, lambda xi: block(xi, mask)[0])

@@ -99,15 +99,16 @@ def loop_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tenso
 
 class GroupRows(NamedTuple):
     """The experts of rows sorted by expert, as the bias additions use them: `onehot` [R, E] (a
-    row of idx E, nobody's: zeros) in the rows' dtype and `spare` [R, 1] (True for those rows),
-    built once for all the biases of one expert MLP."""
+    row of idx E, nobody's: zeros) in the rows' dtype and `spare` [R, 1] (True for those rows;
+    None where the caller knows there is none), built once for all the biases of one expert MLP."""
 
     onehot: torch.Tensor
-    spare: torch.Tensor
+    spare: torch.Tensor | None
 
     @staticmethod
-    def of(idx: torch.Tensor, E: int, dtype: torch.dtype) -> "GroupRows":
-        return GroupRows((idx.unsqueeze(1) == torch.arange(E, device=idx.device)).to(dtype), (idx == E).unsqueeze(1))
+    def of(idx: torch.Tensor, E: int, dtype: torch.dtype, spare: bool = True) -> "GroupRows":
+        onehot = (idx.unsqueeze(1) == torch.arange(E, device=idx.device)).to(dtype)
+        return GroupRows(onehot, (idx == E).unsqueeze(1) if spare else None)
 
 
 class _GroupBias(torch.autograd.Function):
@@ -125,7 +126,7 @@ class _GroupBias(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         onehot, spare = ctx.saved_tensors
-        kept = g.masked_fill(spare, 0)  # a row nobody computes may hold NaN
+        kept = g if spare is None else g.masked_fill(spare, 0)  # a row nobody computes may hold NaN
         grad_bias = onehot.to(g.dtype).t() @ kept  # a matmul, not an index_add: no atomics (slow in bf16 on a GPU)
         return g, grad_bias.to(ctx.bias_dtype), None, None
 

@@ -45,7 +45,7 @@ class SwiGLUExperts(nn.Module):
         h = F.silu(torch.bmm(x, self.w1.transpose(1, 2))) * torch.bmm(x, self.w3.transpose(1, 2))
         return torch.bmm(h, self.w2.transpose(1, 2))
 
-    def grouped(self, x: torch.Tensor, offs: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    def grouped(self, x: torch.Tensor, offs: torch.Tensor, idx: torch.Tensor, spare: bool = True) -> torch.Tensor:
         """Rows x [R, D] sorted by expert (`dynmo.model.grouped`; idx unused: no biases) -> [R, D]."""
         h = F.silu(grouped_mm(x, self.w1.transpose(1, 2), offs)) * grouped_mm(x, self.w3.transpose(1, 2), offs)
         return grouped_mm(h, self.w2.transpose(1, 2), offs)
@@ -85,4 +85,5 @@ class Block(RoutedBlock):
 
     def moe_branch(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         moe = self.block_sparse_moe
-        return sparse_mlp(self.post_attention_layernorm(x), mask, moe.gate, moe.experts, self.opts, self._stats)
+        return sparse_mlp(self.post_attention_layernorm(x), self.routed(mask), moe.gate, moe.experts, self.opts,
+                          self._stats)

@@ -96,11 +96,11 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.drop(self.proj(F.gelu(self.fc(x))))
 
-    def grouped(self, x: torch.Tensor, offs: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    def grouped(self, x: torch.Tensor, offs: torch.Tensor, idx: torch.Tensor, spare: bool = True) -> torch.Tensor:
         """Rows sorted by expert (`dynmo.model.grouped`) -> their experts' outputs; the rows' experts
-        as one `GroupRows` for both biases."""
+        as one `GroupRows` for both biases (`spare`: whether a row may be nobody's, idx E)."""
         rows = GroupRows.of(idx, self.fc.bias.shape[0], x.dtype if not torch.is_autocast_enabled(x.device.type)
-                            else torch.get_autocast_dtype(x.device.type))
+                            else torch.get_autocast_dtype(x.device.type), spare)
         return self.drop(self.proj.grouped(F.gelu(self.fc.grouped(x, offs, rows)), offs, rows))
 
 
@@ -133,6 +133,19 @@ class MoELayer(nn.Module):
         self.experts = Experts(opts.num_experts, d_model, hidden, dropout)
 
 
+def choose(logits: torch.Tensor, opts: MoEOptions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(probs [N, E] the router's probabilities, top_p [N, k] the gate weights of each token's
+    top-k experts top_e [N, k]). Renormalised (`norm_topk_prob`, Mixtral's), the top-k
+    probabilities divided by their sum are the softmax of the top-k logits: that is how they
+    are computed, two operators forward and one backward fewer than a division."""
+    probs = F.softmax(logits, dim=-1)
+    if opts.norm_topk_prob:
+        top_l, top_e = logits.topk(opts.top_k, dim=-1)  # the order of the probabilities'
+        return probs, F.softmax(top_l, dim=-1).to(probs.dtype), top_e
+    top_p, top_e = probs.topk(opts.top_k, dim=-1)
+    return probs, top_p, top_e
+
+
 def route(logits: torch.Tensor, opts: MoEOptions, active: torch.Tensor | None = None) -> Routing:
     """Top-k token choice from router logits [N, E] of the tokens `active` [N] (bool; None: all)
     marks (see the module docstring). Fixed shapes, no host synchronisation."""
@@ -140,10 +153,7 @@ def route(logits: torch.Tensor, opts: MoEOptions, active: torch.Tensor | None = 
     N = logits.shape[0]
     if active is None:
         active = torch.ones(N, dtype=torch.bool, device=logits.device)
-    probs = F.softmax(logits, dim=-1)
-    top_p, top_e = probs.topk(k, dim=-1)  # [N, k]
-    if opts.norm_topk_prob:
-        top_p = top_p / top_p.sum(-1, keepdim=True)
+    probs, top_p, top_e = choose(logits, opts)
     expert = top_e.t().reshape(-1)
     weight = top_p.t().reshape(-1)
     token = torch.arange(N, device=logits.device).repeat(k)
@@ -163,12 +173,22 @@ def route(logits: torch.Tensor, opts: MoEOptions, active: torch.Tensor | None = 
                    kept=kept, active=active, n_active=n_active)
 
 
-def aux_loss(r: Routing, num_experts: int) -> torch.Tensor:
+def aux_loss(r: Routing, num_experts: int, all_active: bool = False) -> torch.Tensor:
     """Switch/Mixtral load-balancing loss of one layer over its active tokens: E * sum_e f_e * P_e
-    (0 without any)."""
+    (0 without any); with `all_active` (no mask) `balance_loss`'s arithmetic."""
+    if all_active:
+        return balance_loss(r.loads, r.probs, num_experts, r.expert.shape[0] // r.probs.shape[0])
     f = r.loads.to(r.probs.dtype) / r.loads.sum().clamp(min=1)
     p = torch.where(r.active.unsqueeze(1), r.probs, 0.0).sum(0) / r.n_active.clamp(min=1)
     return num_experts * (f * p).sum()
+
+
+def balance_loss(loads: torch.Tensor, probs: torch.Tensor, num_experts: int, k: int) -> torch.Tensor:
+    """`aux_loss` with every one of the N tokens active (no mask): E * sum_e f_e P_e with
+    f_e = loads_e / (N k) and P_e the probabilities [N, E] summed over the tokens / N, as one dot
+    product with the constants folded into the loads: three operators, one backward."""
+    N = probs.shape[0]
+    return torch.dot(loads.to(probs.dtype) * (num_experts / (N * N * k)), probs.sum(0))
 
 
 def dispatch_padded(x: torch.Tensor, r: Routing, experts: nn.Module) -> tuple[torch.Tensor, int]:
@@ -266,10 +286,15 @@ def routing_summary(s: StepStats) -> dict:
         return {}
     if "routing" in s.sums:  # `dropless_grouped`: one vector, every assignment computed once, none dropped
         v = s.sums["routing"].detach()
-        loads = v[:-3].round().to(torch.int64)
+        active = s.sums.get("active_tokens")  # `dropless_all_active`: counted on the host
+        loads = v[:-2 if active is not None else -3].round().to(torch.int64)
         rows = loads.sum()
-        return {"tokens_per_expert": loads, "routing_imbalance": v[-1] / s.forwards, "expert_rows": rows,
-                "useful_rows": rows, "dropped": rows - rows, "active_tokens": v[-3].round().to(torch.int64),
+        if active is None:  # `dropless_grouped`: the active tokens and max / mean load a forward in the vector
+            active, imbalance = v[-3].round().to(torch.int64), v[-1] / s.forwards
+        else:  # the busiest loads summed over the mean loads summed (max / mean, every forward of one size)
+            imbalance = v[-1] * loads.shape[0] / rows.clamp(min=1)
+        return {"tokens_per_expert": loads, "routing_imbalance": imbalance, "expert_rows": rows,
+                "useful_rows": rows, "dropped": rows - rows, "active_tokens": active,
                 "aux_loss": v[-2] / s.forwards, "forwards": s.forwards}
     rows = s.sums["expert_rows"]
     return {
@@ -286,15 +311,19 @@ def routing_summary(s: StepStats) -> dict:
 
 def sparse_mlp(h: torch.Tensor, mask: torch.Tensor, router: nn.Module, experts: nn.Module, opts: MoEOptions,
                stats: StepStats) -> tuple[torch.Tensor, torch.Tensor]:
-    """The MoE MLP on the active tokens of h [B, T, D] (inactive ones get zeros): its output and
-    its (unweighted) load-balancing loss; the forward's routing figures go into `stats`."""
+    """The MoE MLP on the active tokens of h [B, T, D] (`mask`; None: every token, and the fewest
+    operators; inactive ones get zeros): its output and its (unweighted) load-balancing loss;
+    the forward's routing figures go into `stats`."""
     B, T, D = h.shape
     h = h.reshape(B * T, D)
     ep = getattr(experts, "ep", None)
     if ep is None and opts.dispatch != "padded" and opts.capacity_factor <= 0:
-        out, aux = dropless_grouped(h, router(h), mask.reshape(-1), experts, opts, stats)
+        if mask is None:
+            out, aux = dropless_all_active(h, router(h), experts, opts, stats)
+        else:
+            out, aux = dropless_grouped(h, router(h), mask.reshape(-1), experts, opts, stats)
         return out.to(h.dtype).view(B, T, D), aux
-    r = route(router(h), opts, mask.reshape(-1))
+    r = route(router(h), opts, None if mask is None else mask.reshape(-1))
     ep_rows = None
     if ep is not None:
         out, per_rank = dispatch_ep(h, r, experts, opts.num_experts)
@@ -304,7 +333,7 @@ def sparse_mlp(h: torch.Tensor, mask: torch.Tensor, router: nn.Module, experts: 
     else:
         out = dispatch_grouped(h, r, experts)
         rows = r.kept.sum()
-    aux = aux_loss(r, opts.num_experts)
+    aux = aux_loss(r, opts.num_experts, all_active=mask is None)
     with torch.no_grad():
         stats.add(**routing_stats(r, aux, rows, ep_rows))
     return out.to(h.dtype).view(B, T, D), aux
@@ -321,10 +350,7 @@ def dropless_grouped(x: torch.Tensor, logits: torch.Tensor, active: torch.Tensor
     into `stats` as two small vectors (`routing_summary` reads them)."""
     E, k = opts.num_experts, opts.top_k
     N = x.shape[0]
-    probs = F.softmax(logits, dim=-1)
-    top_p, top_e = probs.topk(k, dim=-1)  # [N, k]
-    if opts.norm_topk_prob:
-        top_p = top_p / top_p.sum(-1, keepdim=True)
+    probs, top_p, top_e = choose(logits, opts)
     dead = ~active
     key = top_e.t().masked_fill(dead, E).reshape(-1)  # [A] in priority order; E: an inactive token's
     key, order = torch.sort(key, stable=True)  # by expert, then in priority order; inactive last
@@ -351,6 +377,30 @@ def dropless_grouped(x: torch.Tensor, logits: torch.Tensor, active: torch.Tensor
     return out, aux
 
 
+def dropless_all_active(x: torch.Tensor, logits: torch.Tensor, experts: nn.Module, opts: MoEOptions,
+                        stats: StepStats) -> tuple[torch.Tensor, torch.Tensor]:
+    """`dropless_grouped` with every token active: no assignment to set aside, so no spare row,
+    no masking, and the loss's counts are the shapes' (N tokens, N * k assignments). The same
+    assignments, order, rows and values."""
+    E, k = opts.num_experts, opts.top_k
+    N = x.shape[0]
+    probs, top_p, top_e = choose(logits, opts)
+    # by expert, then in priority order (an expert's rows in the order the weight gradients sum them)
+    key, order = torch.sort(top_e.t().reshape(-1), stable=True)
+    token = order % N
+    ends = torch.searchsorted(key, torch.arange(-1, E, device=key.device, dtype=key.dtype), right=True,
+                              out_int32=True)
+    offs = ends[1:]
+    y = experts.grouped(x.index_select(0, token), offs, key, spare=False)
+    y = y * torch.take(top_p.t(), order).unsqueeze(1)  # promoted as in the padded path
+    out = y.new_zeros(N, y.shape[1]).index_add(0, token, y)
+    loads = (offs - ends[:-1]).to(torch.float32)  # exact below 2**24 assignments an expert
+    aux = balance_loss(loads, probs, E, k)
+    with torch.no_grad():  # one vector a forward (loads, loss, busiest load), one addition a microbatch
+        stats.add(routing=torch.cat((loads, aux.view(1).to(torch.float32), loads.max().view(1))), active_tokens=N)
+    return out, aux
+
+
 class RoutedBlock(Halves, nn.Module):
     """What every MoE block shares: its step statistics and its aux loss carried into backward.
     A subclass sets `opts` (MoEConfig) and defines `attn_half(x, mask) -> (x, mask)` and
@@ -358,6 +408,14 @@ class RoutedBlock(Halves, nn.Module):
     unweighted load-balancing loss). The MLP half adds y to x and carries aux into backward."""
 
     opts: MoEOptions
+    # Whether the block may be handed inactive tokens (mask False) to leave out. Off (the
+    # default), as for the dense blocks, the mask is not read: no case deactivates tokens in a
+    # model of routed blocks (early exit runs on dense blocks only).
+    skip_inactive = False
+
+    def routed(self, mask: torch.Tensor) -> torch.Tensor | None:
+        """The mask the MoE routes by: None (every token) unless `skip_inactive`."""
+        return mask if self.skip_inactive else None
 
     def reset_stats(self) -> None:
         self._stats = StepStats()
@@ -395,4 +453,4 @@ class MoEBlock(RoutedBlock):
         return x + self.attn(self.ln1(x)), mask
 
     def moe_branch(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return sparse_mlp(self.ln2(x), mask, self.moe.router, self.moe.experts, self.opts, self._stats)
+        return sparse_mlp(self.ln2(x), self.routed(mask), self.moe.router, self.moe.experts, self.opts, self._stats)
