@@ -200,7 +200,8 @@ class Run:
     log: str  # console output
 
 
-def plan_runs(cases: list[str], size: Size, device: str, dtype: str, out: Path, compile_units: bool = False) -> list[Run]:
+def plan_runs(cases: list[str], size: Size, device: str, dtype: str, out: Path, compile_units: bool = False,
+              cuda_graphs: bool = False) -> list[Run]:
     backend = "nccl" if device == "cuda" else "gloo"
     runs = []
     for case in cases:
@@ -211,8 +212,10 @@ def plan_runs(cases: list[str], size: Size, device: str, dtype: str, out: Path, 
                     "--log.tensorboard", "false", "--log.progress", "false", "--train.eval_every", "0",
                     "--train.dtype", dtype, "--parallel.backend", backend, "--parallel.layout", "uniform",
                     *case_overrides(case, size), *stage_args]
-            if compile_units:
+            if compile_units or cuda_graphs:
                 argv += ["--train.compile", "true"]
+            if cuda_graphs:
+                argv += ["--train.cuda_graphs", "true"]
             runs.append(Run(name, case, staging, argv, str(out / "logs" / f"{name}.log")))
     return runs
 
@@ -482,6 +485,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--stagings", default=",".join(STAGINGS), help="comma-separated: 1stage, 2stage (default both)")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="train.dtype (default bf16)")
     ap.add_argument("--compile", action="store_true", help="every run with --train.compile true (units compiled)")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="every run with --train.cuda_graphs true (compiled units replayed as CUDA graphs)")
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default 12; --tiny 4)")
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="the device's dense peak TFLOP/s for the MFU, when it is not in the table")
@@ -532,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     for sub in ("runs", "traces", "logs"):
         (out / sub).mkdir(parents=True, exist_ok=True)
-    runs = [r for r in plan_runs(args.cases, args.size, args.device, args.dtype, out, args.compile)
+    runs = [r for r in plan_runs(args.cases, args.size, args.device, args.dtype, out, args.compile, args.cuda_graphs)
             if r.staging in args.stagings]
     size_name = "tiny" if args.tiny else "default"
     print(f"gpu_check: {len(runs)} runs ({len(args.cases)} cases x {', '.join(args.stagings)}), {size_name} size, "

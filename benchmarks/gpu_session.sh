@@ -10,7 +10,8 @@
 # checks.tar.gz (every group's report.json and console log). The run folders stay in WORK
 # (default /tmp/gpu-session).
 # GROUPS (default all but the compiled ones): comma-separated from core, shrink, long, blocks,
-# hashattn, staged, compiled, long-compiled (the last two: gpu_check --compile), compile-check
+# hashattn, staged, compiled, long-compiled (the last two: gpu_check --compile), cudagraphs
+# (gpu_check --cuda-graphs: the compiled units replayed as CUDA graphs), compile-check
 # (compile_check.py, inductor: every block kind compiled through the launcher against eager,
 # compile-check.md), profile (profile_step.py: where a step's time goes, device busy against
 # wall, for dense, MoD and MoE, with and without dynmo's per-layer marks, profile.md), hostops
@@ -65,6 +66,7 @@ for g in ${WANT//,/ }; do
     staged) check 120 staged gpt-moe,gpt-hashattn,gpt-mod 2stage ;;
     compiled) check 170 compiled gpt-dense,gpt-mod,gpt-moe 1stage --compile ;;
     long-compiled) check 120 long-compiled gpt-hashattn-8k,gpt-dense-8k 1stage --compile ;;
+    cudagraphs) check 200 cudagraphs gpt-dense,gpt-mod,gpt-moe,llama-mod 1stage --cuda-graphs ;;
     compile-check)
       step 240 compile-check python3 benchmarks/compile_check.py --backend inductor --steps 4 \
         >"$OUT/compile-check.md" 2>&1

@@ -124,6 +124,9 @@ class TrainConfig:
     # See docs/gpu.md.
     compile: bool = False
     compile_backend: str = "inductor"
+    # Replay each compiled unit's kernels as CUDA graphs (torch.compile's "reduce-overhead": Inductor's
+    # CUDA graph trees): one launch a unit instead of one a kernel. Needs train.compile and CUDA.
+    cuda_graphs: bool = False
     # Refuse, before any process starts, a run whose estimated peak memory per rank
     # (dynmo.checks.footprint) exceeds what the machine has (docs/failures.md); false skips the check.
     preflight: bool = True

@@ -6,6 +6,8 @@ migration) reuses the compiled code; inductor's code equals eager's to rounding;
 launcher trains a compiled pipeline through a migration with eager's losses; settings that
 cannot compile are refused before anything starts."""
 
+import re
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -16,7 +18,7 @@ from dynmo.model.gpt import loss_fn
 from dynmo.model.layers import build_layer, layer_specs
 from dynmo.runtime.compiled import compile_unit, eager, is_compiled
 from dynmo.runtime.stage import StageModule
-from tests.conftest import metrics, run_train
+from tests.conftest import ROOT, metrics, run_train
 from tests.reference import reference_run, tiny_config
 
 KINDS = [("gpt", "dense"), ("gpt", "moe"), ("gpt", "mod"), ("gpt", "hashattn"),
@@ -189,6 +191,47 @@ def test_settings_that_cannot_compile_are_refused(setting, message):
         check_compile(cfg)
     apply_dict(cfg, {"train": {"compile": False, "compile_backend": "inductor"}})
     check_compile(cfg)  # without train.compile the block settings are fine
+
+
+@pytest.mark.parametrize("setting,message", [
+    ({"train": {"compile": False}}, "set train.compile = true too"),
+    ({"train": {"compile_backend": "aot_eager"}}, "only Inductor records CUDA graphs"),
+    ({"parallel": {"schedule": "zbv"}}, "runs each backward in two passes"),
+    ({"train": {"activation_checkpointing": "all"}}, "set train.activation_checkpointing = \"none\""),
+    ({"early_exit": {"enabled": True}}, "leave early_exit off"),
+    ({"model": {"block": "mod", "mod": {"routing": "predictor"}}}, "use model.mod.routing = \"topk\""),
+    ({"parallel": {"ep": 2}}, "leave parallel.ep at 1"),
+    ({"parallel": {"backend": "gloo"}}, "this run has no GPU"),
+])
+def test_cuda_graphs_are_refused_where_a_recorded_graph_cannot_replay(setting, message):
+    """`train.cuda_graphs` names the setting that keeps a unit from replaying as a CUDA graph."""
+    from dynmo.config import apply_dict
+
+    cfg = Config()
+    apply_dict(cfg, {"train": {"compile": True, "cuda_graphs": True}})
+    apply_dict(cfg, setting)
+    with pytest.raises(ConfigError, match="train.cuda_graphs: .*" + re.escape(message)):
+        check_compile(cfg)
+
+
+def test_cuda_graphs_without_a_gpu_is_one_line_before_launch(tmp_path, monkeypatch):
+    """On a machine without CUDA the option is refused by the launcher: one line, exit 2."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    monkeypatch.chdir(ROOT)
+    import contextlib
+    import io
+
+    from dynmo import cli
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = cli.main(["train", "--config", "configs/default.toml", "--out", str(tmp_path / "run"),
+                         "--train.compile", "true", "--train.cuda_graphs", "true"])
+    assert code == 2, err.getvalue()
+    (line,) = err.getvalue().strip().splitlines()
+    assert "train.cuda_graphs: CUDA graphs record GPU kernel launches and this run has no GPU" in line
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_launcher_trains_compiled_through_a_migration(tmp_path):

@@ -102,10 +102,12 @@ COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 def check_compile(cfg: Config) -> None:
     """`train.compile`: a backend torch has, and no block that reads a routing on the host (no
-    graph could hold it)."""
+    graph could hold it); `train.cuda_graphs` (`check_cuda_graphs`)."""
     t, m = cfg.train, cfg.model
     if t.compile_backend not in COMPILE_BACKENDS:
         raise ConfigError(f"train.compile_backend={t.compile_backend!r}: choose one of {', '.join(COMPILE_BACKENDS)}")
+    if t.cuda_graphs:
+        check_cuda_graphs(cfg)
     if not t.compile or m.block != "moe":
         return
     if m.moe.dispatch == "padded":
@@ -114,6 +116,39 @@ def check_compile(cfg: Config) -> None:
     if t.dtype != "bf16":
         raise ConfigError("train.compile with MoE blocks needs train.dtype = \"bf16\": torch compiles its grouped "
                           "expert matmul in bf16 only (or leave train.compile off)")
+
+
+def check_cuda_graphs(cfg: Config) -> None:
+    """`train.cuda_graphs`: replaying a compiled unit's recorded kernels needs the compiled units
+    on CUDA, fixed shapes and no host read between a unit's kernels, and one backward pass a
+    forward. Each refusal names what to change."""
+    t, m, p = cfg.train, cfg.model, cfg.parallel
+    from dynmo.schedules import get_schedule
+
+    why = None
+    if not t.compile:
+        why = "it replays the compiled units' kernels: set train.compile = true too"
+    elif t.compile_backend != "inductor":
+        why = f"only Inductor records CUDA graphs (train.compile_backend={t.compile_backend!r}): use inductor"
+    elif get_schedule(p.schedule).split_backward:
+        why = (f"parallel.schedule={p.schedule!r} runs each backward in two passes (input, then weight "
+               "gradients) and a recorded backward is one: use gpipe, 1f1b or interleaved1f1b")
+    elif t.activation_checkpointing != "none":
+        why = "recomputing a unit inside the backward replays its forward out of order: set train.activation_checkpointing = \"none\""
+    elif cfg.early_exit.enabled:
+        why = "early exit reads each block's active width on the host between units: leave early_exit off"
+    elif m.block == "mod" and m.mod.routing != "topk":
+        why = "predictor routing sizes each block's rows from the data (a host read): use model.mod.routing = \"topk\""
+    elif p.ep > 1:
+        why = "expert parallelism exchanges row counts read on the host: leave parallel.ep at 1"
+    if why is None:
+        import torch
+
+        backend = p.backend
+        if backend == "gloo" or not torch.cuda.is_available():
+            why = "CUDA graphs record GPU kernel launches and this run has no GPU: leave train.cuda_graphs off"
+    if why:
+        raise ConfigError(f"train.cuda_graphs: {why}")
 
 
 def check_cases(cfg: Config, pp: int) -> None:

@@ -59,7 +59,7 @@ def build_stages(cfg: Config, ctx: DistContext, specs: list[LayerSpec], layers: 
         idx = list(layout.layers(s))
         if cfg.train.compile:  # each unit on its own; a unit compiled before (it stayed) is left as it is
             for i in idx:
-                compile_unit(layers[i], dtype, cfg.train.compile_backend, split_backward)
+                compile_unit(layers[i], dtype, cfg.train.compile_backend, split_backward, cfg.train.cuda_graphs)
         first, last = s == 0, s == layout.num_stages - 1
         carry_in, carry_out = carry(idx[0] - 1), carry(idx[-1])
         module = StageModule([specs[i].name for i in idx], [layers[i] for i in idx], idx,

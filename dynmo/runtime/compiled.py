@@ -46,12 +46,16 @@ def is_compiled(unit: nn.Module) -> bool:
 
 
 def compile_unit(unit: nn.Module, dtype: torch.dtype, backend: str = "inductor",
-                 split_backward: bool = False) -> nn.Module:
+                 split_backward: bool = False, cuda_graphs: bool = False) -> nn.Module:
     """Compile `unit`'s forward in place (a no-op if it already is) and return the unit.
     `split_backward`: the schedule runs each backward in two passes, input gradient then weight
     gradient (the zero-bubble ones), the first with retain_graph=True, which a compiled backward
     that donates its saved buffers refuses ("compiled with non-empty donated buffers"): donation
-    is turned off for the process (its one schedule)."""
+    is turned off for the process (its one schedule). `cuda_graphs` (`train.cuda_graphs`): the
+    unit's forward and backward kernels are recorded once and replayed as CUDA graphs
+    (`mode="reduce-overhead"`, Inductor's CUDA graph trees: inputs copied into static buffers,
+    one graph per call site of a step, so each microbatch in flight has its own); the step
+    marks its start (`mark_step`)."""
     if split_backward and hasattr(torch._functorch.config, "donated_buffer"):
         torch._functorch.config.donated_buffer = False
     if is_compiled(unit):
@@ -62,8 +66,15 @@ def compile_unit(unit: nn.Module, dtype: torch.dtype, backend: str = "inductor",
         if prepare is not None:
             prepare(dtype)
     expert_parallel = any(getattr(m, "ep", None) is not None for m in unit.modules())
-    unit.forward = torch.compile(unit.forward, fullgraph=not expert_parallel, dynamic=False, backend=backend)
+    mode = "reduce-overhead" if cuda_graphs else None
+    unit.forward = torch.compile(unit.forward, fullgraph=not expert_parallel, dynamic=False, backend=backend, mode=mode)
     return unit
+
+
+def mark_step() -> None:
+    """A training step begins: CUDA graph trees may reuse the buffers of the last step's replays
+    (`train.cuda_graphs`), whose outputs are no longer read."""
+    torch.compiler.cudagraph_mark_step_begin()
 
 
 def eager(unit: nn.Module) -> nn.Module:

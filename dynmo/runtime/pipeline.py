@@ -25,6 +25,7 @@ from dynmo.layout import Layout, LayoutError
 from dynmo.model.layers import LayerSpec, half_carry, layer_specs
 from dynmo.runtime import experts, fsdp, grads, optim, zero
 from dynmo.runtime.build import build_layers, build_schedule, build_stages
+from dynmo.runtime.compiled import mark_step
 from dynmo.runtime.dist import DistContext
 from dynmo.runtime.memory import PeakMemory
 from dynmo.runtime.relayout import regroup, released_ranks, replace_experts
@@ -146,6 +147,8 @@ class Pipeline:
     # ---- one step ---------------------------------------------------------------------
     def train_step(self, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> StepResult:
         t0 = time.perf_counter()
+        if self.cfg.train.cuda_graphs:
+            mark_step()
         for st in self.stages:
             st.reset_timers()
         self.memory.reset()
@@ -178,6 +181,8 @@ class Pipeline:
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
         losses: list[torch.Tensor] = []
+        if self.cfg.train.cuda_graphs:
+            mark_step()
         with forward_only(self.schedule):
             self.schedule.eval(inputs.to(self.ctx.device), target=targets.to(self.ctx.device), losses=losses)
         return float(sum(l.item() for l in losses)) / len(losses) if losses else None
