@@ -5,6 +5,8 @@ dynmo's layers loaded from them must compute transformers' logits, and an export
 checkpoint must hold the same tensors bit for bit and load back into transformers.
 """
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -305,9 +307,22 @@ def assert_loads_in_transformers(folder: Path, original: Path) -> None:
         assert torch.equal(model.eval()(tokens).logits, hf_model(original)(tokens).logits)
 
 
-def dynmo_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dynmo.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+def dynmo_cli(*args: str, process: bool = False) -> subprocess.CompletedProcess:
+    """`dynmo ARGS`: the real process with `process`, else the same `dynmo.cli.main` called in
+    this process, its output captured (torch is imported here already; a process would import
+    it again, seconds each). The real process runs an export after training and a refusal."""
+    if process:
+        return subprocess.run([sys.executable, "-m", "dynmo.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=300)
+    from dynmo import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.chdir(ROOT), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(list(args))
+        except SystemExit as e:  # argparse's usage errors
+            code = e.code if isinstance(e.code, int) else 2
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 @pytest.mark.parametrize("kind,shard", [("llama", "5GB"), ("mixtral", "50KB")])
@@ -345,8 +360,8 @@ def test_export_bad_input_is_one_line_and_status_2(tmp_path):
         ((str(tmp_path), "--hf", str(tmp_path / "o2")), "is not a dynmo checkpoint"),
         ((str(gpt), "--hf", str(tmp_path / "o3")), "only llama and mixtral families export"),
     ]
-    for args, message in cases:
-        p = dynmo_cli("export", *args)
+    for i, (args, message) in enumerate(cases):
+        p = dynmo_cli("export", *args, process=i == 0)
         assert p.returncode == 2 and message in p.stderr, p.stderr
         assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
     assert not any((tmp_path / f"o{i}").exists() for i in (1, 2, 3))
@@ -406,7 +421,7 @@ def test_after_training_the_exported_model_gives_dynmos_validation_loss(tmp_path
               "--parallel.relayout", "1:0,1,5")
     val = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["val_loss"]
     exported = tmp_path / "hf"
-    p = dynmo_cli("export", str(out / "checkpoint-final"), "--hf", str(exported))
+    p = dynmo_cli("export", str(out / "checkpoint-final"), "--hf", str(exported), process=True)
     assert p.returncode == 0, p.stderr
     trained = hf_model(exported)
     assert abs(val - hf_loss(trained, hf_dirs[kind], [(0, "val"), (1, "val")])) <= 1e-5
