@@ -7,8 +7,10 @@ and quieter failures: the workers are forked from a fork server that imported `d
 (and torch) once for the agent's lifetime (`WORKER_PRELOAD`; `dynmo.launch.WORKER_ARGS` asks
 torchrun for `--start-method forkserver --run-path dynmo/train.py`), not each a fresh
 interpreter importing them again, also at every restart; and a failed job is reported as the
-line of the rank that failed first (`agent`), not as torchrun's report. Import-light, and
-imported by no other module: multiprocessing runs it again (as `__mp_main__`) in each worker.
+line of the rank that failed first (`agent`), not as torchrun's report. At the end the fork
+server is stopped and this process exits without the interpreter's teardown of torch (`_exit`),
+which took over a second of every launch and did nothing. Import-light, and imported by no
+other module: multiprocessing runs it again (as `__mp_main__`) in each worker.
 """
 
 from __future__ import annotations
@@ -105,10 +107,45 @@ def agent(argv: list[str]) -> int:
         raise
     finally:
         shutil.rmtree(logs, ignore_errors=True)
+        _stop_fork_server()
     return 0
+
+
+def _stop_fork_server() -> None:
+    """End the fork server once torchrun has stopped the workers. Left to notice the agent's exit
+    it would run the interpreter's teardown of everything `dynmo.train` imported (torch: most of
+    a second), holding the job's stdout and stderr open all the while; it has nothing to clean up."""
+    import os
+    import signal
+    from multiprocessing import forkserver
+
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if pid is None:
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
+
+
+def _exit(status: int) -> None:
+    """Exit with `status` after the exit handlers (multiprocessing's clean-up, logging's flush)
+    but without the interpreter's teardown of torch's modules (about half a second), unless a
+    thread is left that a normal exit would wait for."""
+    import atexit
+    import os
+    import threading
+
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        sys.exit(status)
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":
     if len(sys.argv) < 2:
         sys.exit("usage: python -m dynmo.launch.agent RUN_FOLDER TORCHRUN-ARGS (dynmo train starts it)")
-    sys.exit(agent(sys.argv[1:]))
+    _exit(agent(sys.argv[1:]))
