@@ -4,6 +4,7 @@ Produces the table in docs/bench/tensor-mttkrp.md (linked from docs/tensors.md).
 
     python benchmarks/bench_mttkrp.py --splatt PATH/TO/splatt [--work DIR] [--rank 16] [--threads 2]
                                       [--repeats 5] [--pyttb-max-nnz 4e6] [--only NAME,...] [--json OUT]
+                                      [--reorders none,lexi,degree] [--splatt-reorders lexi]
 
 The tensors are made by `dynmo tensor generate` (GenTensor-style targets, and `--like` siblings of
 the word n-gram tensors of the plays from `dynmo tensor ngram`), written once into --work and
@@ -12,7 +13,11 @@ it writes the fixed tensor (its CPD refuses them) and that file is used by all t
 
 Per tensor and mode, float64, at --rank and --threads, the median of --repeats rounds; the
 contenders take turns within each round, so a change of the machine's load strikes them alike:
-- dynmo: every format of `dynmo.tensor.kernels` (conversion timed apart, one untimed run first);
+- dynmo: every format of `dynmo.tensor.kernels` (conversion timed apart, one untimed run first),
+  on the tensor relabelled by every ordering of --reorders (`dynmo.tensor.reorder`; default
+  `none`, the tensor as read; the relabelling timed apart like conversion, the relabelled tensor
+  and its permutations written once into --work; the factors relabelled with it, so every
+  ordering computes the same MTTKRP); dynmo's best is the minimum over formats x orderings;
 - SPLATT (a subprocess; skipped with a note when --splatt is absent), two iterations a run, the
   second counted: `splatt bench -a csf -a coord [-a splatt]` (pure MTTKRP per mode; `csf` is one
   tiled tree, `splatt` its 3-mode algorithm) and `splatt cpd --csf=one|two|all`, whose per-mode
@@ -20,6 +25,9 @@ contenders take turns within each round, so a change of the machine's load strik
   figure is its MTTKRP timer over the two iterations (a mean); SPLATT's best is the minimum over
   all of these, per mode and for all modes;
 - pyttb: `sptensor.mttkrp`, every mode up to --pyttb-max-nnz nonzeros, mode 0 only above.
+SPLATT and pyttb read the tensor as made: an ordering is a preprocessing step of dynmo's
+(`dynmo tensor advise`, `cp --reorder`). With --splatt-reorders ORD,... SPLATT also runs, in the
+same rounds, on the ORD-relabelled file; those figures are shown apart and are not SPLATT's best.
 
 Then the ratio of dynmo's fastest format to SPLATT's best per mode and for all modes, their
 geometric means over the tensors, and dynmo's speedup over pyttb. The load average is printed
@@ -45,7 +53,10 @@ import numpy as np
 from dynmo.tensor.cli import main as tensor_main
 from dynmo.tensor.kernels import FORMATS, convert, mttkrp, set_threads
 from dynmo.tensor.kernels.common import stacked
-from dynmo.tensor.tns import read_tns
+from dynmo.tensor.reorder import METHODS, reorder, write_perms
+from dynmo.tensor.tns import read_tns, write_tns
+
+ORDERINGS = ("none", *METHODS)
 
 # name -> the `dynmo tensor generate` arguments that make it (plays siblings need the plays first)
 TENSORS = {
@@ -156,9 +167,30 @@ def _medians(runs: list[dict]) -> dict:
                 "all": statistics.median(r[k]["all"] for r in runs)} for k in keys}
 
 
+def variant(fmt: str, ordering: str) -> str:
+    """dynmo's key for a format on a relabelled tensor: `csf` for the tensor as read, `csf+lexi` after lexi."""
+    return fmt if ordering == "none" else f"{fmt}+{ordering}"
+
+
+def relabelled(t, path: Path, ordering: str, work: Path):
+    """(the tensor relabelled by `ordering`, perms, seconds of the relabelling, its file in `work`); the file
+    and its permutations are written once and reused, the relabelling itself is always run (and timed)."""
+    t0 = time.perf_counter()
+    new, perms = reorder(t, ordering)
+    secs = time.perf_counter() - t0
+    out = work / f"{path.stem}.{ordering}.tns"
+    if not out.exists():
+        tmp = out.with_name(out.name + ".tmp")
+        write_tns(new, tmp)
+        write_perms(perms, out)
+        tmp.replace(out)
+    return new, perms, secs, out
+
+
 def one_tensor(name: str, path: Path, a) -> dict:
-    """Every contender on one tensor, interleaved: each of --repeats rounds times every dynmo format once
-    per mode, runs every SPLATT variant once and pyttb once per mode; the figures are the medians."""
+    """Every contender on one tensor, interleaved: each of --repeats rounds times every dynmo format on
+    every ordering once per mode, runs every SPLATT variant once and pyttb once per mode; the figures
+    are the medians."""
     t = read_tns(path)
     load = os.getloadavg()[0]
     print(f"\n{name}: order {t.order}, sizes {'x'.join(map(str, t.sizes))}, nnz {t.nnz}; load {load:.1f}", flush=True)
@@ -166,39 +198,55 @@ def one_tensor(name: str, path: Path, a) -> dict:
     set_threads(a.threads)
     rng = np.random.default_rng(0)
     factors = [rng.random((s, a.rank)) for s in t.sizes]
-    lays, info = {}, {}
-    for fmt in FORMATS:
-        t0 = time.perf_counter()
-        lays[fmt] = convert(t, fmt, "float64")
-        info[fmt] = {"convert": time.perf_counter() - t0, "bytes_per_nnz": lays[fmt].nbytes / t.nnz}
     outs = [np.empty((s, a.rank)) for s in t.sizes]
-    stacks = {fmt: stacked(factors, lays[fmt].dtype) for fmt in FORMATS}
-    for fmt in FORMATS:  # compiles (or loads the cache) and warms the caches, untimed
-        for m in range(t.order):
-            mttkrp(lays[fmt], factors, m, outs[m], stacks[fmt])
+    runs, info, files = {}, {}, {}  # runs[key] = (layout, factors, stack)
+    for ordering in a.reorders:
+        if ordering == "none":
+            tt, fac, rsecs = t, factors, 0.0
+        else:
+            tt, perms, rsecs, files[ordering] = relabelled(t, path, ordering, Path(a.work))
+            fac = [f[p] for f, p in zip(factors, perms)]  # the same MTTKRP, relabelled
+            print(f"  reorder {ordering}: {rsecs:.2f} s", flush=True)
+        for fmt in FORMATS:
+            key = variant(fmt, ordering)
+            t0 = time.perf_counter()
+            lay = convert(tt, fmt, "float64")
+            info[key] = {"format": fmt, "reorder": ordering, "reorder_seconds": rsecs,
+                         "convert": time.perf_counter() - t0, "bytes_per_nnz": lay.nbytes / t.nnz}
+            runs[key] = (lay, fac, stacked(fac, lay.dtype))
+            for m in range(t.order):  # compiles (or loads the cache) and warms the caches, untimed
+                mttkrp(lay, fac, m, outs[m], runs[key][2])
     px = _pyttb_tensor(t)
     pmodes = list(range(t.order)) if t.nnz <= a.pyttb_max_nnz else [0]
-    dyn, spl, py = [], [], []
+    sre = [o for o in a.splatt_reorders if o in files] if a.splatt else []
+    dyn, spl, py, spl_re = [], [], [], {o: [] for o in sre}
     for _ in range(a.repeats):
         one = {}
-        for fmt in FORMATS:
-            secs = [_timed(lambda: mttkrp(lays[fmt], factors, m, outs[m], stacks[fmt])) for m in range(t.order)]
-            one[fmt] = {"modes": secs, "all": sum(secs)}
+        for key, (lay, fac, stk) in runs.items():
+            secs = [_timed(lambda: mttkrp(lay, fac, m, outs[m], stk)) for m in range(t.order)]
+            one[key] = {"modes": secs, "all": sum(secs)}
         dyn.append(one)
         if a.splatt:
             spl.append(splatt_round(a.splatt, path, t.order, a))
+            for o in sre:
+                spl_re[o].append(splatt_round(a.splatt, files[o], t.order, a))
         if px is not None:
             py.append({m: _timed(lambda: px.mttkrp(factors, m)) for m in pmodes})
     row["dynmo"] = _medians(dyn)
-    for fmt in FORMATS:
-        row["dynmo"][fmt].update(info[fmt])
-    for fmt, v in row["dynmo"].items():
-        print(f"  dynmo {fmt:<6} " + " ".join(f"{s * 1e3:8.1f}" for s in v["modes"]) + f"  all {v['all'] * 1e3:8.1f} ms",
-              flush=True)
+    for key in runs:
+        row["dynmo"][key].update(info[key])
+    for key, v in row["dynmo"].items():
+        print(f"  dynmo {key:<13} " + " ".join(f"{s * 1e3:8.1f}" for s in v["modes"]) +
+              f"  all {v['all'] * 1e3:8.1f} ms  (convert {v['convert']:.1f} s)", flush=True)
     if spl:
         row["splatt"] = _medians(spl)
         for k, v in row["splatt"].items():
             print(f"  splatt {k:<13} " + " ".join(f"{s * 1e3:8.1f}" for s in v["modes"]) +
+                  f"  all {v['all'] * 1e3:8.1f} ms", flush=True)
+    for o, rs in spl_re.items():
+        row.setdefault("splatt_reordered", {})[o] = _medians(rs)
+        for k, v in row["splatt_reordered"][o].items():
+            print(f"  splatt {o}:{k:<13} " + " ".join(f"{s * 1e3:8.1f}" for s in v["modes"]) +
                   f"  all {v['all'] * 1e3:8.1f} ms", flush=True)
     if py:
         row["pyttb"] = {"modes": {m: statistics.median(r[m] for r in py) for m in pmodes}}
@@ -222,6 +270,10 @@ def summarize(rows: list[dict]) -> dict:
             r["ratio_all"] = r["dynmo_best_all"][0] / r["splatt_best_all"][0]
             per_mode_ratios += r["ratio_modes"]
             all_ratios.append(r["ratio_all"])
+        for o, s in r.get("splatt_reordered", {}).items():
+            r.setdefault("splatt_reordered_best", {})[o] = {
+                "modes": [min((s[k]["modes"][m], k) for k in s) for m in range(r["order"])],
+                "all": min((s[k]["all"], k) for k in s)}
         if r.get("pyttb"):
             r["pyttb_speedup"] = [secs / r["dynmo_best_modes"][m][0] for m, secs in r["pyttb"]["modes"].items()]
             pyttb_speedups += r["pyttb_speedup"]
@@ -231,25 +283,61 @@ def summarize(rows: list[dict]) -> dict:
             "geomean_pyttb_speedup": g(pyttb_speedups), "least_pyttb_speedup": min(pyttb_speedups, default=None)}
 
 
-def table(summary: dict) -> str:
-    ms = lambda s: f"{s * 1e3:.1f}"  # noqa: E731
-    lines = ["| tensor | nnz | mode | " + " | ".join(f"dynmo {f}" for f in FORMATS) +
-             " | SPLATT best (variant) | dynmo best / SPLATT | pyttb | pyttb / dynmo best |",
-             "| --- | ---: | --- | " + " | ".join("---:" for _ in FORMATS) + " | --- | ---: | ---: | ---: |"]
+def orderings_of(summary: dict) -> list[str]:
+    """The orderings dynmo ran, in the order first met."""
+    seen = []
     for r in summary["tensors"]:
+        for v in r["dynmo"].values():
+            o = v.get("reorder", "none")
+            if o not in seen:
+                seen.append(o)
+    return seen or ["none"]
+
+
+def table(summary: dict) -> str:
+    """One row per tensor and mode. With the tensor as read only: a column per format; with orderings: a
+    column per ordering (its fastest format named), then dynmo's best over formats x orderings."""
+    ms = lambda s: f"{s * 1e3:.1f}"  # noqa: E731
+    ords = orderings_of(summary)
+    plain = ords == ["none"]
+    sre = sorted({o for r in summary["tensors"] for o in r.get("splatt_reordered_best", {})})
+    fmts = [f for f in FORMATS if all(f in r["dynmo"] for r in summary["tensors"])]
+    if plain:
+        head = [f"dynmo {f}" for f in fmts]
+    else:
+        head = [f"dynmo {o} (format)" for o in ords] + ["dynmo best (format+ordering)"]
+    head += ["SPLATT best (variant)", "dynmo best / SPLATT"] + [f"SPLATT on {o} file (variant)" for o in sre]
+    lines = ["| tensor | nnz | mode | " + " | ".join(head) + " | pyttb | pyttb / dynmo best |",
+             "| --- | ---: | --- | " + " | ".join("---:" for _ in head) + " | ---: | ---: |"]
+    for r in summary["tensors"]:
+        d = r["dynmo"]
         for m in [*range(r["order"]), "all"]:
-            cells = [ms(r["dynmo"][f]["modes"][m] if m != "all" else r["dynmo"][f]["all"]) for f in FORMATS]
+            sec = lambda k: d[k]["modes"][m] if m != "all" else d[k]["all"]  # noqa: E731
+            if plain:
+                cells = [ms(sec(f)) for f in fmts]
+            else:
+                cells = []
+                for o in ords:
+                    ks = [k for k in d if d[k].get("reorder", "none") == o]
+                    best = min(ks, key=sec)
+                    cells.append(f"{ms(sec(best))} ({d[best].get('format', best)})")
+                b = r["dynmo_best_modes"][m] if m != "all" else r["dynmo_best_all"]
+                cells.append(f"{ms(b[0])} ({b[1] if '+' in b[1] else b[1] + '+none'})")
             if "splatt_best_all" in r:
                 sb = r["splatt_best_modes"][m] if m != "all" else r["splatt_best_all"]
                 ratio = r["ratio_modes"][m] if m != "all" else r["ratio_all"]
                 sp = [f"{ms(sb[0])} ({sb[1]})", f"{ratio:.2f}"]
             else:
                 sp = ["not run", ""]
+            for o in sre:
+                sb = r.get("splatt_reordered_best", {}).get(o)
+                sb = (sb["modes"][m] if m != "all" else sb["all"]) if sb else None
+                sp.append(f"{ms(sb[0])} ({sb[1]})" if sb else "")
             py = r.get("pyttb", {}).get("modes", {})
             pyc = [ms(py[m]), f"{py[m] / r['dynmo_best_modes'][m][0]:.0f}x"] if m in py else ["", ""]
             lines.append(f"| {r['name']} | {r['nnz']} | {m} | " + " | ".join(cells) + " | " + " | ".join(sp + pyc) + " |")
     fmt = lambda x, p="{:.2f}": p.format(x) if x is not None else "n/a"  # noqa: E731
-    lines += ["", f"dynmo's fastest format / SPLATT's best: per mode geomean {fmt(summary['geomean_ratio_modes'])}, "
+    lines += ["", f"dynmo's fastest {'format' if plain else 'format x ordering'} / SPLATT's best: per mode geomean {fmt(summary['geomean_ratio_modes'])}, "
               f"worst {fmt(summary['worst_ratio_mode'])}; all modes geomean {fmt(summary['geomean_ratio_all'])}, "
               f"worst {fmt(summary['worst_ratio_all'])}. pyttb / dynmo's fastest, per mode: geomean "
               f"{fmt(summary['geomean_pyttb_speedup'], '{:.0f}x')}, least {fmt(summary['least_pyttb_speedup'], '{:.0f}x')}."]
@@ -267,7 +355,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pyttb-max-nnz", type=float, default=4e6, help="above this, pyttb runs mode 0 only")
     ap.add_argument("--only", help="comma-separated tensor names (default: all of " + ", ".join(TENSORS) + ")")
     ap.add_argument("--json", help="write every figure as JSON")
+    ap.add_argument("--reorders", default="none",
+                    help="comma-separated orderings dynmo's formats run on, among " + ", ".join(ORDERINGS) +
+                    " (default none: the tensor as read); dynmo's best is the minimum over formats x orderings")
+    ap.add_argument("--splatt-reorders", default="",
+                    help="comma-separated orderings among --reorders whose relabelled file SPLATT also runs on "
+                    "(shown apart, not SPLATT's best)")
     a = ap.parse_args(argv)
+    a.reorders = [o for o in a.reorders.split(",") if o]
+    a.splatt_reorders = [o for o in a.splatt_reorders.split(",") if o]
+    bad = [o for o in a.reorders if o not in ORDERINGS] or not a.reorders
+    if bad or len(set(a.reorders)) != len(a.reorders):
+        print(f"--reorders {','.join(a.reorders)}: give distinct names among {', '.join(ORDERINGS)}", file=sys.stderr)
+        return 2
+    bad = [o for o in a.splatt_reorders if o not in a.reorders or o == "none"]
+    if bad:
+        print(f"--splatt-reorders {','.join(bad)}: give orderings among --reorders other than none", file=sys.stderr)
+        return 2
     names = a.only.split(",") if a.only else list(TENSORS)
     bad = [n for n in names if n not in TENSORS]
     if bad:
@@ -287,10 +391,11 @@ def main(argv: list[str] | None = None) -> int:
             path = splatt_fixed(a.splatt, path, work)
         rows.append(one_tensor(name, path, a))
     summary = summarize(rows)
-    print(f"\nrank {a.rank}, {a.threads} threads, float64, median of {a.repeats}; times in ms\n")
-    print(table(summary))
-    if a.json:
+    print(f"\nrank {a.rank}, {a.threads} threads, float64, median of {a.repeats}, orderings "
+          f"{','.join(a.reorders)}; times in ms\n")
+    if a.json:  # before the table, so that every figure is kept
         Path(a.json).write_text(json.dumps(summary, indent=1, default=str) + "\n")
+    print(table(summary))
     return 0
 
 
