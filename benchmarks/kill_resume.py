@@ -7,7 +7,8 @@ REF_DIR is the same preparation finished without interruption; S about how long 
 OUT_DIR is deleted first. The command then runs in a process group of its own, and at a time
 drawn uniformly from 10-90 % of S (the seeded generator's) the whole group gets SIGKILL; what the
 folder holds at that moment is printed (finished shards, .part and .claim files). This repeats
-`--kills` times, each restart resuming the folder; a last run finishes it. Every file in both
+`--kills` times, each restart resuming the folder, its kill drawn from 10-90 % of what is left
+of S (a restart skips the finished shards); a last run finishes it. Every file in both
 folders is then compared by SHA-256: all but manifest.json must be byte-identical (the manifest
 is compared and printed too). Exits 0 when they are.
 """
@@ -62,8 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     out, ref = Path(a.out), Path(a.ref)
     shutil.rmtree(out, ignore_errors=True)
     rng = random.Random(a.seed)
+    left = a.duration  # about what the job has still to do: a restart skips the finished shards
     for k in range(a.kills):
-        at = rng.uniform(0.1, 0.9) * a.duration
+        at = rng.uniform(0.1, 0.9) * left
+        left -= at
         child = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         t = time.perf_counter()
         while child.poll() is None and time.perf_counter() - t < at:

@@ -2,13 +2,14 @@
 
     python benchmarks/make_corpus.py OUT_DIR --files 24 --mb 128 [--seed 0] [--level 3]
 
-writes OUT_DIR/part-00000.jsonl.zst ... : each file holds about `--mb` MB of text (the "text"
+writes OUT_DIR/part-00000.jsonl.zst ... : each file holds about `--mb` MiB of text (the "text"
 fields' UTF-8 bytes) as JSON lines `{"id": N, "text": "..."}`, compressed with zstandard at
 `--level`. The words are the bundled Shakespeare plays' vocabulary (every word-like token of
 the plays, lower-cased, with its count there), drawn with those frequencies; sentences of 4-30
-words with a capital first letter and a stop, paragraphs of 1-8 sentences, occasional numbers.
-Document lengths are log-normal (median about 2.7 KB, mean about 5 KB, cut to 200 B - 200 KB),
-the spread of web text. Everything comes from one seeded generator per file (seed, file index),
+words with a capital first letter and a stop, a number in 8 % of them, paragraphs of 4
+sentences on average (each sentence ends one with probability 1/4). Document lengths are
+log-normal, the spread of web text: about 2.5 KB median, 4.4 KB mean, from about 150 B to
+180 KB. Everything comes from one seeded generator per file (seed, file index),
 so the same arguments give the same bytes, and files can be written in any order.
 """
 
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out")
     p.add_argument("--files", type=int, default=24)
-    p.add_argument("--mb", type=float, default=128, help="text per file, MB")
+    p.add_argument("--mb", type=float, default=128, help="text per file, MiB")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--level", type=int, default=3, help="zstandard level")
     p.add_argument("--first", type=int, default=0, help="index of the first file to write")
