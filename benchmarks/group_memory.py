@@ -48,16 +48,14 @@ def _rollup(pid: int) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if "--" not in argv:
-        print(__doc__, file=sys.stderr)
-        return 2
-    cut = argv.index("--")
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--every", type=float, default=0.2)
     p.add_argument("--log", default="", help="also append the result line to this file")
-    a = p.parse_args(argv[:cut])
-    cmd = argv[cut + 1 :]
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- and the command to run")
+    a = p.parse_args(argv)
+    cmd = a.command[1:] if a.command[:1] == ["--"] else a.command
+    if not cmd:
+        p.error("give the command after --")
     t = time.perf_counter()
     child = subprocess.Popen(cmd, start_new_session=True)
     peak_rss = peak_pss = most = samples = 0

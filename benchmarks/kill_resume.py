@@ -47,19 +47,17 @@ def held(folder: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if "--" not in argv:
-        print(__doc__, file=sys.stderr)
-        return 2
-    cut = argv.index("--")
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ref", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--duration", type=float, required=True)
     p.add_argument("--kills", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(argv[:cut])
-    cmd = argv[cut + 1 :]
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- and the command to run")
+    a = p.parse_args(argv)
+    cmd = a.command[1:] if a.command[:1] == ["--"] else a.command
+    if not cmd:
+        p.error("give the command after --")
     out, ref = Path(a.out), Path(a.ref)
     shutil.rmtree(out, ignore_errors=True)
     rng = random.Random(a.seed)
