@@ -339,6 +339,17 @@ def sparse_mlp(h: torch.Tensor, mask: torch.Tensor, router: nn.Module, experts: 
     return out.to(h.dtype).view(B, T, D), aux
 
 
+def by_expert(key: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The assignments' experts `key` [A] (in priority order) sorted by expert, stably (an
+    expert's rows then in priority order, the order its weight gradients sum them): (sorted key,
+    the permutation, ends [E + 1] = [0, end of expert 0's rows, ..., end of expert E-1's]: the
+    grouped matmuls' offsets and the loads, from one `searchsorted`)."""
+    key, order = torch.sort(key, stable=True)
+    ends = torch.searchsorted(key, torch.arange(-1, E, device=key.device, dtype=key.dtype), right=True,
+                              out_int32=True)
+    return key, order, ends
+
+
 def dropless_grouped(x: torch.Tensor, logits: torch.Tensor, active: torch.Tensor, experts: nn.Module,
                      opts: MoEOptions, stats: StepStats) -> tuple[torch.Tensor, torch.Tensor]:
     """`route` + `dispatch_grouped` + `aux_loss` + `routing_stats` without a capacity, the
@@ -352,12 +363,9 @@ def dropless_grouped(x: torch.Tensor, logits: torch.Tensor, active: torch.Tensor
     N = x.shape[0]
     probs, top_p, top_e = choose(logits, opts)
     dead = ~active
-    key = top_e.t().masked_fill(dead, E).reshape(-1)  # [A] in priority order; E: an inactive token's
-    key, order = torch.sort(key, stable=True)  # by expert, then in priority order; inactive last
+    # [A] in priority order; E: an inactive token's, sorted last
+    key, order, ends = by_expert(top_e.t().masked_fill(dead, E).reshape(-1), E)
     token = (order % N).masked_fill(key == E, N)
-    # [0, end of expert 0's rows, ..., end of expert E-1's]: the grouped matmuls' offsets and the loads
-    ends = torch.searchsorted(key, torch.arange(-1, E, device=key.device, dtype=key.dtype), right=True,
-                              out_int32=True)
     offs = ends[1:]
     xs = F.pad(x, (0, 0, 0, 1)).index_select(0, token)  # row N: the spare zero token
     y = experts.grouped(xs, offs, key)
@@ -385,11 +393,8 @@ def dropless_all_active(x: torch.Tensor, logits: torch.Tensor, experts: nn.Modul
     E, k = opts.num_experts, opts.top_k
     N = x.shape[0]
     probs, top_p, top_e = choose(logits, opts)
-    # by expert, then in priority order (an expert's rows in the order the weight gradients sum them)
-    key, order = torch.sort(top_e.t().reshape(-1), stable=True)
+    key, order, ends = by_expert(top_e.t().reshape(-1), E)
     token = order % N
-    ends = torch.searchsorted(key, torch.arange(-1, E, device=key.device, dtype=key.dtype), right=True,
-                              out_int32=True)
     offs = ends[1:]
     y = experts.grouped(x.index_select(0, token), offs, key, spare=False)
     y = y * torch.take(top_p.t(), order).unsqueeze(1)  # promoted as in the padded path
