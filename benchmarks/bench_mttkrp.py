@@ -257,7 +257,7 @@ def one_tensor(name: str, path: Path, a) -> dict:
 
 def summarize(rows: list[dict]) -> dict:
     """Per tensor: dynmo's fastest per mode and all modes, SPLATT's best, pyttb; ratios and geomeans."""
-    per_mode_ratios, all_ratios, pyttb_speedups = [], [], []
+    per_mode_ratios, all_ratios, pyttb_speedups, zero = [], [], [], []
     for r in rows:
         d = r["dynmo"]
         r["dynmo_best_modes"] = [min((d[f]["modes"][m], f) for f in d) for m in range(r["order"])]
@@ -266,10 +266,15 @@ def summarize(rows: list[dict]) -> dict:
             s = r["splatt"]
             r["splatt_best_modes"] = [min((s[k]["modes"][m], k) for k in s) for m in range(r["order"])]
             r["splatt_best_all"] = min((s[k]["all"], k) for k in s)
-            r["ratio_modes"] = [dm[0] / sm[0] for dm, sm in zip(r["dynmo_best_modes"], r["splatt_best_modes"])]
-            r["ratio_all"] = r["dynmo_best_all"][0] / r["splatt_best_all"][0]
-            per_mode_ratios += r["ratio_modes"]
-            all_ratios.append(r["ratio_all"])
+            # SPLATT prints its times rounded; a fast mode can read 0 s. No ratio is known then: it is
+            # named (None here, "SPLATT 0 s" in the table) and left out of the geomeans, not divided by.
+            r["ratio_modes"] = [dm[0] / sm[0] if sm[0] > 0 else None
+                                for dm, sm in zip(r["dynmo_best_modes"], r["splatt_best_modes"])]
+            r["ratio_all"] = r["dynmo_best_all"][0] / r["splatt_best_all"][0] if r["splatt_best_all"][0] > 0 else None
+            per_mode_ratios += [x for x in r["ratio_modes"] if x is not None]
+            all_ratios += [r["ratio_all"]] if r["ratio_all"] is not None else []
+            zero += [f"{r['name']} mode {m}" for m, x in enumerate(r["ratio_modes"]) if x is None]
+            zero += [f"{r['name']} all modes"] if r["ratio_all"] is None else []
         for o, s in r.get("splatt_reordered", {}).items():
             r.setdefault("splatt_reordered_best", {})[o] = {
                 "modes": [min((s[k]["modes"][m], k) for k in s) for m in range(r["order"])],
@@ -280,7 +285,8 @@ def summarize(rows: list[dict]) -> dict:
     g = lambda xs: math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None  # noqa: E731
     return {"tensors": rows, "geomean_ratio_modes": g(per_mode_ratios), "worst_ratio_mode": max(per_mode_ratios, default=None),
             "geomean_ratio_all": g(all_ratios), "worst_ratio_all": max(all_ratios, default=None),
-            "geomean_pyttb_speedup": g(pyttb_speedups), "least_pyttb_speedup": min(pyttb_speedups, default=None)}
+            "geomean_pyttb_speedup": g(pyttb_speedups), "least_pyttb_speedup": min(pyttb_speedups, default=None),
+            "splatt_zero": zero}
 
 
 def orderings_of(summary: dict) -> list[str]:
@@ -326,7 +332,7 @@ def table(summary: dict) -> str:
             if "splatt_best_all" in r:
                 sb = r["splatt_best_modes"][m] if m != "all" else r["splatt_best_all"]
                 ratio = r["ratio_modes"][m] if m != "all" else r["ratio_all"]
-                sp = [f"{ms(sb[0])} ({sb[1]})", f"{ratio:.2f}"]
+                sp = [f"{ms(sb[0])} ({sb[1]})", f"{ratio:.2f}" if ratio is not None else "SPLATT 0 s"]
             else:
                 sp = ["not run", ""]
             for o in sre:
@@ -341,6 +347,9 @@ def table(summary: dict) -> str:
               f"worst {fmt(summary['worst_ratio_mode'])}; all modes geomean {fmt(summary['geomean_ratio_all'])}, "
               f"worst {fmt(summary['worst_ratio_all'])}. pyttb / dynmo's fastest, per mode: geomean "
               f"{fmt(summary['geomean_pyttb_speedup'], '{:.0f}x')}, least {fmt(summary['least_pyttb_speedup'], '{:.0f}x')}."]
+    if summary.get("splatt_zero"):
+        lines.append(f"SPLATT reported 0 s (under its printed resolution; no ratio, left out of the geomeans) for "
+                     f"{len(summary['splatt_zero'])}: {', '.join(summary['splatt_zero'])}.")
     return "\n".join(lines)
 
 

@@ -47,3 +47,19 @@ def test_orderings_are_checked(capsys):
     assert "--reorders" in capsys.readouterr().err
     assert bench.main(["--reorders", "none,lexi", "--splatt-reorders", "degree"]) == 2
     assert "--splatt-reorders" in capsys.readouterr().err
+
+
+def test_a_mode_splatt_reports_as_0_s_is_named_not_divided_by():
+    row = _row()
+    row["splatt"] = {"bench-csf": {"modes": [0.0, 2.0, 2.0], "all": 4.0}}
+    s = bench.summarize([row])
+    r = s["tensors"][0]
+    assert r["ratio_modes"] == [None, 1.0, 1.25] and r["ratio_all"] == 6.5 / 4.0
+    assert s["worst_ratio_mode"] == 1.25 and s["splatt_zero"] == ["t mode 0"]
+    text = bench.table(s)
+    assert "| t | 10 | 0 | 3000.0 (csf) | 1000.0 (coo) | 1000.0 (coo+lexi) | 0.0 (bench-csf) | SPLATT 0 s |" in text
+    assert "SPLATT reported 0 s" in text and "t mode 0" in text
+    row["splatt"] = {"bench-csf": {"modes": [0.0, 0.0, 0.0], "all": 0.0}}
+    s = bench.summarize([row])
+    assert s["geomean_ratio_all"] is None and s["splatt_zero"][-1] == "t all modes"
+    assert "n/a" in bench.table(s)
