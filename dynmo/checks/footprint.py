@@ -79,7 +79,7 @@ def unit_params(cfg: Config) -> list[tuple[int, int]]:
     else:
         mlp, mlp_experts = norm + expert, 0
     if m.block == "mod":
-        attn += 2 * d + 2  # the router and the predictor
+        attn += 2 * d + 1  # the router (no bias) and the predictor
     halves = [(attn, 0), (mlp, mlp_experts)]
     blocks = [part for _ in range(m.n_layers)
               for part in (halves if cfg.parallel.unit == "sublayer" else [(attn + mlp, mlp_experts)])]

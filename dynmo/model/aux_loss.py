@@ -11,21 +11,14 @@ from __future__ import annotations
 
 import torch
 
-
-_SEEDS: dict[tuple, torch.Tensor] = {}  # (coef, shape, dtype, device) -> the constant gradient
+from dynmo.model.consts import full
 
 
 def seed(ctx, device: torch.device) -> torch.Tensor:
-    """The gradient `coef` of the auxiliary loss, a constant: made once per coefficient, shape,
-    dtype and device and handed to every backward (no fill launched per microbatch). Nothing
-    writes into a gradient it is handed, and the kept reference stops autograd from reusing
-    it. Made anew inside a compiled graph, where it is the graph's constant."""
-    key = (ctx.coef, tuple(ctx.aux_shape), ctx.aux_dtype, device)
-    if torch.compiler.is_compiling():
-        return torch.full(key[1], key[0], dtype=key[2], device=device)
-    if key not in _SEEDS:
-        _SEEDS[key] = torch.full(key[1], key[0], dtype=key[2], device=device)
-    return _SEEDS[key]
+    """The gradient `coef` of the auxiliary loss, a constant made once per coefficient, shape,
+    dtype and device (`dynmo.model.consts.full`: no fill launched per microbatch). Nothing
+    writes into a gradient it is handed, and the kept reference stops autograd from reusing it."""
+    return full(ctx.coef, ctx.aux_shape, ctx.aux_dtype, device)
 
 
 class _AuxLossScaler(torch.autograd.Function):
@@ -54,7 +47,7 @@ def attach_aux_loss(x: torch.Tensor, aux: torch.Tensor, coef: float) -> torch.Te
     the objective is the microbatch mean of `main + coef * aux`, exactly as a single process
     that averages `main + coef * aux` over the same microbatches.
     """
-    if not _carries(aux, coef):
+    if not carries(aux, coef):
         return x
     return _AuxLossScaler.apply(x, aux, float(coef))
 
@@ -75,39 +68,13 @@ class _AddWithAux(torch.autograd.Function):
         return grad.to(ctx.dtypes[0]), grad.to(ctx.dtypes[1]), aux_grad, None
 
 
-class _ScatterWithAux(torch.autograd.Function):
-    """x.scatter(1, index, src); backward as autograd's scatter (the gradient scattered with
-    zeros at index for x, gathered at index for src) and `coef` into the scalar `aux`."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, index: torch.Tensor, src: torch.Tensor, aux: torch.Tensor, coef: float):
-        ctx.coef, ctx.aux_shape, ctx.aux_dtype = coef, aux.shape, aux.dtype
-        ctx.save_for_backward(index)
-        return x.scatter(1, index, src)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (index,) = ctx.saved_tensors
-        aux_grad = seed(ctx, grad.device)
-        gx = grad.scatter(1, index, 0.0) if ctx.needs_input_grad[0] else None
-        gs = grad.gather(1, index) if ctx.needs_input_grad[2] else None
-        return gx, None, gs, aux_grad, None
-
-
-def _carries(aux: torch.Tensor, coef: float) -> bool:
+def carries(aux: torch.Tensor, coef: float) -> bool:
+    """Whether `aux` has a gradient to receive: a nonzero coefficient, in a graph."""
     return coef != 0.0 and torch.is_grad_enabled() and aux.requires_grad
 
 
 def add_with_aux(a: torch.Tensor, b: torch.Tensor, aux: torch.Tensor, coef: float) -> torch.Tensor:
     """`attach_aux_loss(a + b, aux, coef)` in one operator forward (no copy)."""
-    if not _carries(aux, coef) or a.shape != b.shape or a.dtype != b.dtype:
+    if not carries(aux, coef) or a.shape != b.shape or a.dtype != b.dtype:
         return attach_aux_loss(a + b, aux, coef)
     return _AddWithAux.apply(a, b, aux, float(coef))
-
-
-def scatter_with_aux(x: torch.Tensor, index: torch.Tensor, src: torch.Tensor, aux: torch.Tensor,
-                     coef: float) -> torch.Tensor:
-    """`attach_aux_loss(x.scatter(1, index, src), aux, coef)` in one operator forward (no copy)."""
-    if not _carries(aux, coef) or x.dtype != src.dtype:
-        return attach_aux_loss(x.scatter(1, index, src), aux, coef)
-    return _ScatterWithAux.apply(x, index, src, aux, float(coef))

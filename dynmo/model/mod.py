@@ -62,9 +62,11 @@ import torch.nn.functional as F
 
 from dynmo.config import MoDConfig, ModelConfig
 from dynmo.model import llama
-from dynmo.model.aux_loss import attach_aux_loss, scatter_with_aux
-from dynmo.model.gated import gated_add
+from dynmo.model.aux_loss import attach_aux_loss
+from dynmo.model.gated import gated_add, routed_add
 from dynmo.model.gpt import MLP, CausalSelfAttention, Halves, active_rows
+from dynmo.model.predictor import predictor_loss
+from dynmo.model.rows import put_rows, take_rows
 from dynmo.model.stats import StepStats
 
 MoDOptions = MoDConfig  # options live in the config ([model.mod])
@@ -89,11 +91,16 @@ class MoDRouting(Halves, nn.Module):
         for c in [self.opts.capacity, *self.opts.capacities]:
             if not 0.0 < c <= 1.0:
                 raise ValueError(f"MoD capacity {c} must be in (0, 1] (a fraction of the sequence)")
+        # The router is a linear map with no bias (Raposo et al.'s w^T x, as MoE routers): a
+        # shift of every score changes no choice. It is made with one and the bias dropped, so
+        # the random stream, and every later parameter's initial value, is as it always was.
+        # The predictor keeps its bias, the prior of a token being chosen (the capacity).
         self.router = nn.Linear(cfg.d_model, 1)
+        self.router.bias = None
         self.predictor = nn.Linear(cfg.d_model, 1)
         for lin in (self.router, self.predictor):
             nn.init.normal_(lin.weight, 0.0, 0.02)
-            nn.init.zeros_(lin.bias)
+        nn.init.zeros_(self.predictor.bias)
         self.reset_stats()
 
     def attend(self, sel: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -146,7 +153,8 @@ class MoDRouting(Halves, nn.Module):
             tokens, active, correct, aux = v[0].round().to(torch.int64), v[1].round().to(torch.int64), v[2], v[3]
         else:  # every token active: the counts are the shapes', the loss summed over the tokens
             tokens, active = s.sums["tokens_processed"], s.sums["active_tokens"]
-            correct, aux = s.sums.get("correct"), s.sums.get("aux")
+            wrong, aux = s.sums.get("wrong"), s.sums.get("aux")
+            correct = None if wrong is None else active - wrong
             aux = None if aux is None else aux * (s.forwards / active)
         out |= {"tokens_processed": tokens, "active_tokens": active, "capacity": self.capacity, "forwards": s.forwards}
         if correct is not None:  # a block at capacity 1.0 has no predictor to train
@@ -167,19 +175,20 @@ class MoDRouting(Halves, nn.Module):
 
     def _whole(self) -> bool:
         """Capacity 1.0 (and no inactive token to leave out): every token goes through the
-        block, in place; there is no choice to make, so no top-k, gather or scatter, and no
-        predictor to train (`_whole_weights`)."""
+        block, in place, each update weighted by its router weight (`routed_add`); there is no
+        choice to make, so no top-k, gather or scatter, and no predictor to train."""
         return self.capacity >= 1.0 and not self.skip_inactive
 
     def attn_half(self, x: torch.Tensor, mask: torch.Tensor):
         if self._whole():
-            w = self._whole_weights(x)
-            return gated_add(x, w, self.attend(x, None)), mask, w.squeeze(-1), mask
+            self._whole_stats(x)
+            h, w = routed_add(x, self.attend(x, None), self.router)
+            return h, mask, w.squeeze(-1), mask
         if self._lean():
-            h, g, idx, w, aux, n = self._lean_rows(x)
+            xp, h, g, idx, w, aux, n = self._lean_rows(x)
             route = w.new_zeros(x.shape[:2]).scatter(1, idx, w.squeeze(-1))
             chosen = torch.zeros_like(mask).scatter(1, idx, True)
-            return scatter_with_aux(x, g, h, aux, self.opts.predictor_loss_coef / n), mask, route, chosen
+            return put_rows(xp, g, h, aux, self.opts.predictor_loss_coef / n), mask, route, chosen
         x, mask, route, chosen, aux = self._attn_half(x, mask)
         return attach_aux_loss(x, aux, self.opts.predictor_loss_coef), mask, route, chosen
 
@@ -189,62 +198,57 @@ class MoDRouting(Halves, nn.Module):
         the attention and gather again for the MLP, as a stage boundary between them needs), so
         the same values, with fewer operators."""
         if self._whole():
-            w = self._whole_weights(x)
-            h = gated_add(x, w, self.attend(x, None))
+            self._whole_stats(x)
+            h, w = routed_add(x, self.attend(x, None), self.router)
             return gated_add(h, w, self.feed(h)), mask
         if self._lean():
-            h, g, idx, w, aux, n = self._lean_rows(x)
+            xp, h, g, idx, w, aux, n = self._lean_rows(x)
             coef = self.opts.predictor_loss_coef / n
         else:
-            h, g, idx, valid, w, _, aux = self._attn_rows(x, mask)
+            xp, h, g, idx, valid, w, _, aux = self._attn_rows(x, mask)
             w, coef = w.unsqueeze(-1), self.opts.predictor_loss_coef
         new = gated_add(h, w, self.feed(h))
-        return scatter_with_aux(x, g, new, aux, coef), mask
+        return put_rows(xp, g, new, aux, coef), mask
 
     def forward_with_aux(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's output and its (unweighted) predictor loss, for single-process use."""
         if self._whole():
             return self.dense_forward(x, mask)[0], x.new_zeros(())
         if self._lean():
-            h, g, idx, w, aux, n = self._lean_rows(x)
-            return x.scatter(1, g, gated_add(h, w, self.feed(h))), aux / n
+            xp, h, g, idx, w, aux, n = self._lean_rows(x)
+            return put_rows(xp, g, gated_add(h, w, self.feed(h))), aux / n
         h, mask, route, chosen, aux = self._attn_half(x, mask)
         return self.mlp_half(h, mask, route, chosen)[0], aux
 
-    def _whole_weights(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, T, 1] router weights of a block at capacity 1.0, with its stats."""
+    def _whole_stats(self, x: torch.Tensor) -> None:
+        """The stats of a forward at capacity 1.0."""
         B, T, _ = x.shape
         self._stats.add(rows=B * T, attn_pairs=B * T * (T + 1) // 2, tokens_processed=B * T, active_tokens=B * T)
-        return torch.sigmoid(self.router(x))
 
     def _lean_rows(self, x: torch.Tensor):
-        """`_attn_rows` for top-k routing with every token active: (h [B, k, D] the chosen rows
-        after attention, g their gather index, idx [B, k] their positions in order, w [B, k, 1]
-        their router weights, the predictor loss summed over the tokens, and their number: the
-        mean's gradient is the sum's with the coefficient divided by it, no division a step).
-        The router scores every token without a gradient, to choose; the chosen rows' weights
-        are the router's again on those rows, so its gradient runs through k rows, not a
-        gather of T."""
+        """`_attn_rows` for top-k routing with every token active: (x passed through for
+        `put_rows`, h [B, k, D] the chosen rows after attention, g their gather index, idx
+        [B, k] their positions in order, w [B, k, 1] their router weights, the predictor loss
+        summed over the tokens, and their number: the mean's gradient is the sum's with the
+        coefficient divided by it, no division a step). The router scores every token without
+        a gradient, to choose; the chosen rows' weights are the router's again on those rows
+        (`routed_add`), so its gradient runs through k rows, not a gather of T."""
         B, T, D = x.shape
         k = self.tokens_per_sequence(T)
-        pred = self.predictor(x.detach()).squeeze(-1)  # [B, T]
         with torch.no_grad():
             top = self.router(x).squeeze(-1).topk(k, dim=1, sorted=False).indices
             idx = top.sort(dim=1).values  # in position order: attention stays causal among them
-            target = torch.zeros_like(pred).scatter_(1, top, 1.0)  # the predictor's label: chosen or not
-            correct = ((pred > 0) == target).sum()
+        aux, wrong = predictor_loss(x, self.predictor, top)
         g = idx.unsqueeze(-1).expand(-1, -1, D)
-        sel = x.gather(1, g)  # [B, k, D]: the only tokens the block computes on
-        w = torch.sigmoid(self.router(sel))  # [B, k, 1]
-        h = gated_add(sel, w, self.attend(sel, idx))
-        aux = F.binary_cross_entropy_with_logits(pred, target, reduction="sum")
+        xp, sel = take_rows(x, g)  # [B, k, D]: the only tokens the block computes on
+        h, w = routed_add(sel, self.attend(sel, idx), self.router)
         self._stats.add(rows=B * k, attn_pairs=B * k * (k + 1) // 2, tokens_processed=B * k, active_tokens=B * T,
-                        correct=correct, aux=aux.detach())
-        return h, g, idx, w, aux, B * T
+                        wrong=wrong, aux=aux.detach())
+        return xp, h, g, idx, w, aux, B * T
 
     def _attn_half(self, x: torch.Tensor, mask: torch.Tensor):
-        h, g, idx, valid, w, logits, aux = self._attn_rows(x, mask)
-        out = x.scatter(1, g, h)  # non-chosen tokens are copied from x untouched
+        xp, h, g, idx, valid, w, logits, aux = self._attn_rows(x, mask)
+        out = put_rows(xp, g, h)  # non-chosen tokens are copied from x untouched
         route = torch.zeros_like(logits).scatter(1, idx, w)
         chosen = torch.zeros_like(mask).scatter(1, idx, valid)
         return out, mask, route, chosen, aux
@@ -275,8 +279,8 @@ class MoDRouting(Halves, nn.Module):
         return idx, valid, target, live
 
     def _attn_rows(self, x: torch.Tensor, mask: torch.Tensor):
-        """Routing and the attention update of the chosen rows: (h [B, k, D] the chosen rows
-        after attention, g their gather index, idx [B, k] their positions, valid, w their router
+        """Routing and the attention update of the chosen rows: (x passed through for
+        `put_rows`, h [B, k, D] the chosen rows after attention, g their gather index, idx [B, k] their positions, valid, w their router
         weights, the router logits, the predictor loss). A padding row's weight is 0, so its
         update adds an exact zero: it passes as it came."""
         B, T, D = x.shape
@@ -294,7 +298,7 @@ class MoDRouting(Halves, nn.Module):
             counts = flags.sum((1, 2))  # exact below 2**24 tokens
             tw = flags if pred.dtype == torch.float32 else flags.to(pred.dtype)
         g = idx.unsqueeze(-1).expand(-1, -1, D)
-        sel = x.gather(1, g)  # [B, k, D]: the only tokens the block computes on
+        xp, sel = take_rows(x, g)  # [B, k, D]: the only tokens the block computes on
         if self.opts.routing == "topk":  # sigmoid(-inf) = 0: a padding row (inactive) weighs 0
             w = torch.sigmoid(masked).gather(1, idx)
         else:
@@ -303,7 +307,7 @@ class MoDRouting(Halves, nn.Module):
         den = counts[1].clamp_min(1)
         aux = F.binary_cross_entropy_with_logits(pred, tw[3], tw[1], reduction="sum") / den
         self._record(idx.shape[1], B, counts, aux)
-        return h, g, idx, valid, w, logits, aux
+        return xp, h, g, idx, valid, w, logits, aux
 
     def mlp_half(self, h: torch.Tensor, mask: torch.Tensor, route: torch.Tensor, chosen: torch.Tensor):
         """The MLP's weighted update of the rows the attention half chose (in position order,
@@ -318,12 +322,12 @@ class MoDRouting(Halves, nn.Module):
         width = self.tokens_per_sequence(T) if self.opts.routing == "topk" else None
         idx, valid = active_rows(chosen, width)
         g = idx.unsqueeze(-1).expand(-1, -1, D)
-        sel = h.gather(1, g)
+        hp, sel = take_rows(h, g)
         w = route.gather(1, idx).unsqueeze(-1)  # 0 on padding rows: their update is an exact zero
         new = gated_add(sel, w, self.feed(sel))
         if self.part == "mlp":  # a whole block counted its rows in its attention half
             self._stats.add(rows=B * idx.shape[1], tokens_processed=B * width if self._lean() else valid.sum())
-        return h.scatter(1, g, new), mask
+        return put_rows(hp, g, new), mask
 
     @torch.no_grad()
     def _record(self, k: int, B: int, counts, aux) -> None:
