@@ -39,7 +39,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dynmo import rundir
-from dynmo.config import Config, to_toml
+from dynmo.config import Config, ConfigError, to_toml
 from dynmo.runtime import experts, faults, optim, safeload, zero
 from dynmo.runtime.pipeline import Pipeline
 
@@ -290,6 +290,23 @@ def restore_placement(pipe: Pipeline, saved: dict[str, list[int]], saved_ranks: 
     pipe.ep.orders.update(fits)
 
 
+def _refuse_unplaced(pipe: Pipeline, sd: dict[str, torch.Tensor], path: Path) -> None:
+    """Refuse a checkpoint holding a tensor of this rank's layers that the model has no place
+    for (a parameter an earlier model had): DCP would leave it behind without a word, and the
+    run would go on without what was trained into it. Only layers whose every part is on this
+    rank are checked (a block split into halves may have its other half, and its other
+    parameters, on another rank)."""
+    mine = {pipe.specs[i].prefix for i in pipe.layers}
+    mine -= {s.prefix for j, s in enumerate(pipe.specs) if j not in pipe.layers}
+    stored = safeload.read_metadata(path).state_dict_metadata
+    extra = sorted(k for k in stored if k.split(".", 1)[0] in mine and k not in sd)
+    if extra:
+        shown = ", ".join(extra[:4]) + (f" and {len(extra) - 4} more" if len(extra) > 4 else "")
+        raise ConfigError(f"checkpoint {path} holds {shown}, which this model has no place for (saved by a "
+                         "model with other parameters, e.g. an earlier dynmo's); resume it with the model it "
+                         "was saved with")
+
+
 def load(pipe: Pipeline, path: Path) -> int:
     """Load this rank's layers (and their AdamW state) from `path`; returns the step to resume at."""
     meta = read_meta(path)
@@ -313,6 +330,7 @@ def load(pipe: Pipeline, path: Path) -> int:
                 }
     restore_placement(pipe, meta.get("expert_placement") or {}, meta.get("expert_ranks"))
     sd, after = _state_dict(pipe, with_optim=meta.get("has_optimizer_state", True), loading=True)
+    _refuse_unplaced(pipe, sd, path)
     # state_dict() tensors share storage with the parameters: DCP loads into them in place;
     # whole expert tensors load into buffers, whose rows `_scatter` copies to this rank's.
     safeload.load(sd, path)  # reads no pickle that could run code (docs/checkpoints.md)
