@@ -14,7 +14,8 @@ def _inputs(rng, nnz: int) -> dict:
     for _ in range(order):
         size = int(rng.integers(50, 5000))
         modes.append({"size": size, "nz_cnt": int(rng.integers(1, size + 1)), "cv_onlynz": float(rng.random() * 2),
-                      "max": int(rng.integers(1, nnz))})
+                      "max": int(rng.integers(1, nnz)),
+                      "heavy_first": float(rng.uniform(-0.2, 1.0))})
     return {"order": order, "nnz": nnz, "modes": modes}
 
 

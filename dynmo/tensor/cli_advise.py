@@ -2,7 +2,7 @@
 
     dynmo tensor advise FILE.tns|FEATURES.json [--model MODEL.json] [--json OUT]
     dynmo tensor fit-advisor DATASET|FILE.tns ... --out MODEL.json [--held-out DATASET|FILE.tns ...]
-                             [--rank R] [--threads N] [--repeats K]
+                             [--rank R] [--threads N] [--repeats K] [--budget S] [--again]
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from dynmo.tensor import cli_args
 
 EXAMPLES = {
     "advise": ["dynmo tensor advise plays3.tns", "dynmo tensor advise big-features.json --json advice.json"],
-    "fit-advisor": ["dynmo tensor dataset --grid benchmarks/tensor-advisor-train.toml --out runs/advisor-train",
-                    "dynmo tensor fit-advisor runs/advisor-train --held-out runs/advisor-test --out my-advisor.json"],
+    "fit-advisor": ["dynmo tensor dataset --grid benchmarks/tensor-advisor/train3.toml --out runs/advisor-train3",
+                    "dynmo tensor fit-advisor runs/advisor-train3 --held-out runs/advisor-test3 --out my-advisor.json"],
 }
 
 
@@ -40,7 +40,12 @@ def add_commands(sub, command) -> None:
     f.add_argument("--out", required=True, help="the model JSON to write")
     f.add_argument("--rank", type=int, default=16, help="rank of the timed MTTKRP (default 16)")
     f.add_argument("--threads", type=int, default=2, help="threads of the timed MTTKRP (default 2)")
-    f.add_argument("--repeats", type=int, default=3, help="timed runs per mode; the median counts (default 3)")
+    f.add_argument("--repeats", type=int, default=5,
+                   help="rounds over the candidates at least; each mode's least time counts (default 5)")
+    f.add_argument("--budget", type=float, default=6.0,
+                   help="more rounds while a tensor's timed runs took less than this many seconds (default 6)")
+    f.add_argument("--again", action="store_true",
+                   help="time every tensor again, labelled or not; each label is the least of all its runs")
     f.add_argument("--labelled-only", action="store_true",
                    help="measure nothing: fit and evaluate on the tensors whose labels are complete already")
     cli_args.overwrite(f, "--out")
@@ -67,7 +72,8 @@ def advise_cmd(args) -> int:
     secs = time.perf_counter() - t0
     print(f"{args.file}: pick {a['pick']['format']} with reorder {a['pick']['reorder']}: {a['reason']}")
     for c in a["candidates"]:
-        print(f"  {c['format']:<6} {c['reorder']:<8} {c['predicted_seconds'] * 1e3:10.3f} ms predicted")
+        print(f"  {c['format']:<6} {c['reorder']:<8} {c['predicted_seconds'] * 1e3:10.3f} ms predicted, "
+              f"{c['predicted_ratio']:.2f}x the best")
     print(f"(features and prediction in {secs * 1e3:.1f} ms)")
     if args.json:
         cli_args.write(args.json, dumps({"pick": a["pick"], "candidates": a["candidates"], "reason": a["reason"]},
@@ -82,8 +88,10 @@ def fit_cmd(args) -> int:
     from dynmo.tensor.advise_fit import evaluate, fit, label, tensor_files
 
     cli_args.check_out(args.out, args.overwrite, "--out")
-    if not 1 <= args.rank <= 1000 or args.threads < 1 or not 1 <= args.repeats <= 100:
-        raise InputError("--rank 1 to 1000, --threads 1 or more, --repeats 1 to 100")
+    if not 1 <= args.rank <= 1000 or args.threads < 1 or not 1 <= args.repeats <= 100 or not 0 <= args.budget <= 3600:
+        raise InputError("--rank 1 to 1000, --threads 1 or more, --repeats 1 to 100, --budget 0 to 3600 seconds")
+    if args.again and args.labelled_only:
+        raise InputError("--again times every tensor, --labelled-only none: give one of them")
     try:
         for src in [*args.train, *args.held_out]:
             tensor_files(src)
@@ -91,14 +99,14 @@ def fit_cmd(args) -> int:
         raise InputError(str(e)) from None
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     train = [r for src in args.train for r in label(src, args.rank, args.threads, args.repeats, say,
-                                                        not args.labelled_only)]
+                                                        not args.labelled_only, args.budget, args.again)]
     if len(train) < 4:
         raise InputError(f"{len(train)} training tensors: give at least 4")
     model = fit(train, args.rank, args.threads)
     report = {"train": evaluate(model, train)}
     if args.held_out:
         held = [r for src in args.held_out for r in label(src, args.rank, args.threads, args.repeats, say,
-                                                        not args.labelled_only)]
+                                                        not args.labelled_only, args.budget, args.again)]
         report["held_out"] = evaluate(model, held)
     model["accuracy"] = {k: {x: v[x] for x in ("geomean", "worst", "best_fixed", "best_fixed_geomean",
                                               "best_fixed_worst")} for k, v in report.items()}
