@@ -31,7 +31,8 @@ def test_label_is_each_mode_s_least_over_rounds_summed():
     cost = {"a": [1.0, 2.0], "b": [3.0, 0.5], "c": [1.0, 1.0]}
     clock = FakeClock(cost, lambda n: 7.0 if n % 3 == 0 else 0.0)  # every third run slowed
     got, rounds = time_candidates({c: c for c in cost}, [4, 5], rank=2, repeats=4, run=clock.run, clock=clock)
-    assert rounds == dict.fromkeys("abc", 4) and got == {"a": 3.0, "b": 3.5, "c": 2.0}  # the load never counts: some round ran each mode unslowed
+    # the load never counts: some round ran each mode unslowed
+    assert rounds == dict.fromkeys("abc", 4) and got == {"a": 3.0, "b": 3.5, "c": 2.0}
 
 
 def test_rounds_interleave_the_candidates_each_starting_elsewhere():
@@ -53,7 +54,8 @@ def test_more_rounds_go_to_the_close_calls_until_the_budget_is_spent():
     cost = {"a": [1.0], "b": [1.2], "far": [9.0]}
     clock = FakeClock(cost, lambda n: 0.0)
     _, rounds = time_candidates({c: c for c in cost}, [4], rank=2, repeats=2, budget=39.0, run=clock.run, clock=clock)
-    assert rounds == {"a": 10, "b": 10, "far": 2}  # 2 rounds of all (22.4 s), then a and b (2.2 s a round) until 39 s are spent
+    # 2 rounds of all (22.4 s), then a and b (2.2 s a round) until 39 s are spent
+    assert rounds == {"a": 10, "b": 10, "far": 2}
     clock = FakeClock(cost, lambda n: 0.0)
     _, rounds = time_candidates({c: c for c in cost}, [4], rank=2, repeats=2, budget=1e9, run=clock.run, clock=clock)
     assert rounds["a"] == MAX_ROUNDS

@@ -97,3 +97,10 @@ def test_advise_names_a_candidate_in_mttkrp_s_values(tns, tmp_path, capsys):
     assert fed["candidates"] == sorted(predict(model, x), key=lambda c: c["predicted_ratio"])
     assert dynmo_main(["tensor", "advise", str(tns), "--model", str(tmp_path / "none.json")]) == 2
     assert dynmo_main(["tensor", "mttkrp", str(tns), "--format", "auto", "--reorder", "auto", "--repeats", "1"]) == 0
+
+
+def test_fit_advisor_refuses_again_with_labelled_only(tns, tmp_path, capsys):
+    args = ["tensor", "fit-advisor", str(tns), "--out", str(tmp_path / "m.json")]
+    assert dynmo_main([*args, "--again", "--labelled-only"]) == 2
+    assert "--again" in capsys.readouterr().err
+    assert dynmo_main([*args, "--budget", "-1"]) == 2

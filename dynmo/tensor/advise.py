@@ -62,7 +62,7 @@ def heavy_first(cnt: np.ndarray) -> float:
     if idx.size < 3:
         return 0.0
     c = cnt[idx].astype(np.float64)
-    vals, inv, n = np.unique(c, return_inverse=True, return_counts=True)
+    _, inv, n = np.unique(c, return_inverse=True, return_counts=True)
     rc = (np.cumsum(n) - (n + 1) / 2.0)[inv]  # ties (many slices of one nonzero) share their mean rank
     ri = np.arange(idx.size, dtype=np.float64)  # idx is ascending: its ranks are its positions
     sd = rc.std() * ri.std()
@@ -129,8 +129,12 @@ def predict(model: dict, x: np.ndarray) -> list[dict]:
     x = np.clip(x, model["low"], model["high"])  # outside the training range: at its edge, not extrapolated
     z = np.concatenate(([1.0], (x - mean) / np.array(model["scale"])))
     best = float(z @ np.array(model["time_coef"]))
-    return [{"format": c["format"], "reorder": c["reorder"], "predicted_ratio": float(math.exp(z @ np.array(c["coef"]))),
-             "predicted_seconds": float(math.exp(best + z @ np.array(c["coef"])))} for c in model["candidates"]]
+    out = []
+    for c in model["candidates"]:
+        r = float(z @ np.array(c["coef"]))
+        out.append({"format": c["format"], "reorder": c["reorder"], "predicted_ratio": math.exp(r),
+                    "predicted_seconds": math.exp(best + r)})
+    return out
 
 
 def advise(inp: dict, model: dict) -> dict:
