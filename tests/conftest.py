@@ -120,10 +120,10 @@ def param_counts(model: dict) -> list[int]:
 
 # ---- order: the longest tests first ---------------------------------------------------------
 
-# Seconds each of the suite's longest tests took in a full run of the CI command on 2 cores
-# (`pytest -n auto --dist worksteal --durations=0`, see docs/testing.md). Only the order is read
-# from it, never a limit: a test missing here (new, renamed) runs in collection order among the
-# short ones, and a wrong figure costs only time.
+# Seconds (setup, call and teardown) each of the suite's longest tests took in a full run of the
+# CI command with --durations=0 on 2 busy cores (README.md, "Install and run the tests"): what
+# counts is their order, never a limit. A test missing here (new, renamed) runs in collection
+# order among the short ones; a stale figure costs only time.
 LONGEST: dict[str, float] = {
     'tests/test_expert_parallel.py::test_gpt_moe_trains_as_without_expert_parallelism_and_resumes_under_another': 169,
     'tests/test_shard.py::test_sharded_state_trains_as_unsharded_migrates_repacks_and_reshards_on_load': 161,
