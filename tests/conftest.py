@@ -139,6 +139,7 @@ LONGEST: dict[str, float] = {
     'tests/test_units.py::test_dynamic_cases_on_half_blocks_train_bitwise_as_on_whole_blocks[mod+structured-pruning]': 67,
     'tests/test_expert_replacement.py::test_a_run_with_experts_moved_trains_bitwise_as_without_and_resumes_with_its_placement': 66,
     'tests/test_dyn_prune.py::test_distributed_floored_masks_are_the_single_process_reference_on_any_layout_and_rank_count': 64,
+    'tests/test_grow.py::test_the_controller_repacks_then_takes_the_workers_back_with_the_losses_of_an_uninterrupted_run': 64,
     'tests/test_dyn_earlyexit.py::test_resume_restores_the_exit_classifiers': 63,
     'tests/test_failures.py::test_a_hung_rank_ends_the_job_naming_it': 59,
     'tests/test_compile.py::test_launcher_trains_compiled_through_a_migration': 57,
