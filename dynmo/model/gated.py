@@ -69,13 +69,18 @@ class _RoutedAdd(torch.autograd.Function):
         return gx, ga, gweight, gbias
 
 
+def compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype a Linear of `weight` computes x in: autocast's where it is on, else the weight's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return weight.dtype
+
+
 def routed_add(x: torch.Tensor, a: torch.Tensor, router: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + w * a, w) with w = sigmoid(router(x)) [..., 1], for x, a [..., D] and a Linear router
     of one output; as `gated_add(x, torch.sigmoid(router(x)), a)` with fewer operators
     backward. Under autocast the router computes in x's dtype, as autocast would run it."""
-    w_dtype = router.weight.dtype
-    if torch.is_autocast_enabled(x.device.type):
-        w_dtype = torch.get_autocast_dtype(x.device.type)
+    w_dtype = compute_dtype(x, router.weight)
     if (type(router) is not nn.Linear or router.out_features != 1 or x.shape != a.shape
             or not x.dtype == a.dtype == w_dtype or not torch.is_grad_enabled()):
         w = torch.sigmoid(router(x))

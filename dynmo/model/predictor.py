@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dynmo.model.consts import full
+from dynmo.model.gated import compute_dtype
 
 
 class _PredictorLoss(torch.autograd.Function):
@@ -56,11 +57,10 @@ def predictor_loss(x: torch.Tensor, predictor: nn.Linear, top: torch.Tensor) -> 
     """(the summed BCE of `predictor`'s logits of x [B, T, D] (detached) against the router's
     choice `top` [B, k] (positions, any order), the number of wrong predictions) (module docstring)."""
     B, T, D = x.shape
-    x2 = x.detach().reshape(-1, D)
-    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else predictor.weight.dtype
+    dtype = compute_dtype(x, predictor.weight)
     if x.dtype != dtype or predictor.bias is None:
         pred = predictor(x.detach()).squeeze(-1)
         target = torch.zeros_like(pred).scatter_(1, top, 1.0)
         loss = F.binary_cross_entropy_with_logits(pred, target, reduction="sum")
         return loss, ((pred > 0) != target).sum()
-    return _PredictorLoss.apply(x2, predictor.weight.to(dtype), predictor.bias.to(dtype), top, T)
+    return _PredictorLoss.apply(x.detach().reshape(-1, D), predictor.weight.to(dtype), predictor.bias.to(dtype), top, T)
