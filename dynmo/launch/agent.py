@@ -3,14 +3,16 @@
     python -m dynmo.launch.agent RUN_FOLDER TORCHRUN-ARGS     (`dynmo train` starts it; dynmo.launch)
 
 It runs torchrun's own `run` on the arguments, with two differences a user sees only as speed
-and quieter failures: the workers are forked from a fork server that imported `dynmo.train`
-(and torch) once for the agent's lifetime (`WORKER_PRELOAD`; `dynmo.launch.WORKER_ARGS` asks
+and quieter failures: the workers are forked from a fork server that holds `dynmo.train`
+(and torch) imported for the agent's lifetime (`WORKER_PRELOAD`; `dynmo.launch.WORKER_ARGS` asks
 torchrun for `--start-method forkserver --run-path dynmo/train.py`), not each a fresh
-interpreter importing them again, also at every restart; and a failed job is reported as the
-line of the rank that failed first (`agent`), not as torchrun's report. At the end the fork
-server is stopped and this process exits without the interpreter's teardown of torch (`_exit`),
-which took over a second of every launch and did nothing. Import-light, and imported by no
-other module: multiprocessing runs it again (as `__mp_main__`) in each worker.
+interpreter importing them again, also at every restart; the fork server is itself a fork of
+this process once it has imported them (`_start_fork_server`), so a launch imports torch once,
+not in the agent and again in a fresh fork server; and a failed job is reported as the line of
+the rank that failed first (`agent`), not as torchrun's report. At the end the fork server is
+stopped and this process exits without the interpreter's teardown of torch (`_exit`), which
+took over a second of every launch and did nothing. Imported by no other module:
+multiprocessing runs it again (as `__mp_main__`) in a worker whose fork server it did not start.
 """
 
 from __future__ import annotations
@@ -75,15 +77,11 @@ def agent(argv: list[str]) -> int:
     (`dynmo.runtime.failures.first_failure`), with that rank's exit status: 2 for bad input, 1
     for a failed run. torchrun's log lines are held back and shown only if torchrun itself
     fails (a rendezvous that cannot start, say), before its traceback."""
-    import multiprocessing.forkserver
     import shutil
     import tempfile
 
     _short_socket_folder()
-    multiprocessing.forkserver.set_forkserver_preload(WORKER_PRELOAD)  # read when the server starts
-    # Start it now: it imports dynmo.train (and torch) while this process imports torchrun's
-    # agent (torch too), one launch's two imports side by side instead of one after the other.
-    multiprocessing.forkserver.ensure_running()
+    _start_fork_server()
 
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -109,6 +107,79 @@ def agent(argv: list[str]) -> int:
         shutil.rmtree(logs, ignore_errors=True)
         _stop_fork_server()
     return 0
+
+
+def _start_fork_server() -> None:
+    """Start the workers' fork server as a fork of this process after it has imported
+    `WORKER_PRELOAD`, before torchrun starts any thread here: multiprocessing's own start runs a
+    fresh interpreter that imports them again (torch: 2-3 s of CPU, a second import beside the one
+    torchrun's agent needs here). multiprocessing still does the rest (its socket, the pipe that
+    tells the server its clients are gone, the resource tracker, which is forked too): only its
+    `spawnv_passfds` is replaced, for this call, by `_fork_running`. Where the import fails, or
+    the process's open files cannot be listed (no /proc), the fork server starts as
+    multiprocessing starts it, and imports what it can."""
+    import importlib
+    import multiprocessing.forkserver
+    import os
+    from multiprocessing import util
+
+    multiprocessing.forkserver.set_forkserver_preload(WORKER_PRELOAD)  # read when the server starts
+    try:
+        for name in WORKER_PRELOAD:
+            importlib.import_module(name)
+        inherited = {int(fd) for fd in os.listdir("/proc/self/fd")}
+    except (ImportError, OSError):  # a worker reports a failed import; no /proc: start it afresh
+        multiprocessing.forkserver.ensure_running()
+        return
+    started = util.spawnv_passfds
+    util.spawnv_passfds = lambda path, args, passfds: _fork_running(args, passfds, inherited)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        util.spawnv_passfds = started
+
+
+def _fork_running(args: list[str], passfds, inherited: set[int]) -> int:
+    """What `multiprocessing.util.spawnv_passfds(exe, args, passfds)` does for `python -c CODE`,
+    in a fork of this process instead of a new interpreter: the child keeps the descriptors
+    `passfds` and those open before multiprocessing made its own (`inherited`: stdio and what
+    the imports opened), closes the others as an exec'd child's would be (the "alive" pipe's
+    write end among them: the fork server must see it close when this process dies), and runs
+    CODE. Returns the child's pid."""
+    import os
+    import warnings
+
+    code = args[args.index("-c") + 1]
+    with warnings.catch_warnings():  # 3.12+ warns of fork in a threaded process (BLAS's pool: fork-safe)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid:
+        return pid
+    status = 1
+    try:
+        import threading
+        from multiprocessing import forkserver
+
+        # Taken by the ensure_running that forked this child, which will not release it here: a
+        # worker that starts a process by forkserver (a data loader's, say) would wait on it.
+        forkserver._forkserver._lock = threading.Lock()
+        keep = inherited | set(passfds)
+        for fd in (int(f) for f in os.listdir("/proc/self/fd")):
+            if fd not in keep:
+                try:
+                    os.close(fd)
+                except OSError:  # the listing's own descriptor, gone by now
+                    pass
+        exec(code, {"__name__": "__main__"})
+        status = 0
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(status)
 
 
 def _stop_fork_server() -> None:
