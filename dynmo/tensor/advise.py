@@ -146,5 +146,5 @@ def advise(inp: dict, model: dict) -> dict:
     reason = (f"{best['format']}+{best['reorder']} predicted {best['predicted_seconds'] * 1e3:.3g} ms for all modes, "
               f"{nxt['predicted_ratio'] / best['predicted_ratio']:.2f}x less than the next "
               f"({nxt['format']}+{nxt['reorder']}), for {inp['nnz']} nonzeros, order {inp['order']}, "
-              f"cv of nonzeros per slice up to {cv:.2f}, up to {per:.0f} nonzeros per slice")
+              f"cv of nonzeros per slice up to {cv:.2f}, a mode's mean nonzeros per nonempty slice up to {per:.0f}")
     return {"pick": {"format": best["format"], "reorder": best["reorder"]}, "candidates": cands, "reason": reason}
