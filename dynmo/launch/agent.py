@@ -127,7 +127,7 @@ def _start_fork_server() -> None:
     try:
         for name in WORKER_PRELOAD:
             importlib.import_module(name)
-        inherited = {int(fd) for fd in os.listdir("/proc/self/fd")}
+        inherited = _open_descriptors()
     except (ImportError, OSError):  # a worker reports a failed import; no /proc: start it afresh
         multiprocessing.forkserver.ensure_running()
         return
@@ -164,12 +164,8 @@ def _fork_running(args: list[str], passfds, inherited: set[int]) -> int:
         # worker that starts a process by forkserver (a data loader's, say) would wait on it.
         forkserver._forkserver._lock = threading.Lock()
         keep = inherited | set(passfds)
-        for fd in (int(f) for f in os.listdir("/proc/self/fd")):
-            if fd not in keep:
-                try:
-                    os.close(fd)
-                except OSError:  # the listing's own descriptor, gone by now
-                    pass
+        for fd in _open_descriptors() - keep:
+            os.close(fd)
         exec(code, {"__name__": "__main__"})
         status = 0
     except SystemExit as e:
@@ -180,6 +176,23 @@ def _fork_running(args: list[str], passfds, inherited: set[int]) -> int:
         traceback.print_exc()
     finally:
         os._exit(status)
+
+
+def _open_descriptors() -> set[int]:
+    """This process's open file descriptors (Linux): the listing's own one is closed again by the
+    time it is read, and left out, so that a pipe opened later under its number is not taken for
+    one open before."""
+    import os
+
+    listed = {int(fd) for fd in os.listdir("/proc/self/fd")}
+    out = set()
+    for fd in listed:
+        try:
+            os.fstat(fd)
+        except OSError:
+            continue
+        out.add(fd)
+    return out
 
 
 def _stop_fork_server() -> None:
