@@ -228,9 +228,19 @@ def _csf_leaf(modes, fids, fids_off, fptr, fptr_off, vals, bounds, f, offs, out)
                         row = fib_row + fids[fib_off + q]
                         for r in range(rank):
                             tmp[r] = prod[fib - 1, r] * f[row, r]
-                    for j in range(fptr[fib_ptr + q], fptr[fib_ptr + q + 1]):
-                        v = vals[j]
-                        o = fids[leaf_off + j]
+                    # Two leaves a pass: their rows differ (a fiber's leaves are distinct indices),
+                    # so the two updates overlap instead of waiting on each other; each row still
+                    # gets its sums in tree order.
+                    j, j1 = fptr[fib_ptr + q], fptr[fib_ptr + q + 1]
+                    while j + 1 < j1:
+                        v0, v1 = vals[j], vals[j + 1]
+                        o0, o1 = fids[leaf_off + j], fids[leaf_off + j + 1]
+                        for r in range(rank):
+                            out[o0, r] += v0 * tmp[r]
+                            out[o1, r] += v1 * tmp[r]
+                        j += 2
+                    if j < j1:
+                        v, o = vals[j], fids[leaf_off + j]
                         for r in range(rank):
                             out[o, r] += v * tmp[r]
                 while level > 0:  # the next sibling, or up
