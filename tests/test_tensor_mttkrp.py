@@ -162,3 +162,40 @@ def test_csf_leaf_mode_from_a_tiled_tree_equals_its_own_tree(order):
             assert np.array_equal(one, mttkrp(lay, factors, last))
         finally:
             set_threads(None)
+
+
+PREFETCHED = r'''
+import sys
+import numpy as np
+from dynmo.tensor.kernels import common, convert, mttkrp
+sys.path.insert(0, sys.argv[1])
+from tests.test_tensor_mttkrp import CASES, _einsum, _random
+
+common.PREFETCH_BYTES = -1  # every mode's rows asked for ahead, however few
+for ahead in (1, 4, 64):  # 64: past the last fiber of most of these tensors
+    common.PREFETCH_AHEAD = ahead
+    for sizes, density, seed in CASES:
+        dense, t = _random(sizes, density, seed)
+        rng = np.random.default_rng(seed + 100)
+        factors = [rng.standard_normal((s, 4)) for s in sizes]
+        lay = convert(t, "csf", "float64")
+        for mode in range(len(sizes)):
+            np.testing.assert_allclose(mttkrp(lay, factors, mode), _einsum(dense, factors, mode), rtol=1e-12, atol=1e-12)
+print("ok")
+'''
+
+
+def test_csf_asking_for_rows_ahead_reads_only_its_own_arrays_and_changes_no_value(tmp_path):
+    """The root kernel's prefetch (on where the factor rows exceed the cache) looks `ahead` fibers
+    on: compiled here with numba's bounds checks and forced on for small tensors, every index it
+    reads is inside the tree and the results still equal einsum."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    env = dict(os.environ, NUMBA_BOUNDSCHECK="1", NUMBA_CACHE_DIR=str(tmp_path))
+    p = subprocess.run([sys.executable, "-c", PREFETCHED, str(ROOT)], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-3000:]

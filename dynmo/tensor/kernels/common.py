@@ -9,7 +9,9 @@ number of threads (no atomics, no privatised copies summed in a thread-dependent
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
 DTYPES = {"float64": np.float64, "float32": np.float32}
 TASKS = 512  # at most this many runs of rows per mode; many more than threads, for balance
@@ -52,3 +54,39 @@ def times_row(buf, f, row):
     """buf *= factor row `row`: one mode's part of a nonzero's Khatri-Rao product (COO, HiCOO)."""
     for r in range(buf.size):
         buf[r] *= f[row, r]
+
+
+# Factor rows a kernel reads at random, in bytes, past which it asks for them ahead of use
+# (`prefetch_row`): more than a core's L2 holds, so without the hint each row is a wait on L3 or
+# memory. Below it the rows stay in cache and the hints only cost instructions (measured: about
+# 5 % slower on a 5-mode tensor of 60-140 rows a mode, 1.3-2x faster on word n-gram tensors of
+# 52,566 rows a mode).
+PREFETCH_BYTES = 2 << 20
+PREFETCH_AHEAD = 4  # fibers ahead: the best of 2, 3, 4, 8 and 16 on those n-gram tensors
+
+
+def prefetch_ahead(rows: int, rank: int, itemsize: int) -> int:
+    """How many fibers ahead a kernel reading `rows` factor rows at random asks for them: 0 (not
+    at all) while they fit in cache."""
+    return PREFETCH_AHEAD if rows * rank * itemsize > PREFETCH_BYTES else 0
+
+
+@intrinsic
+def prefetch_row(typingctx, arr, row):
+    """Ask the cache for row `row` of the C-ordered 2D array `arr` (its first 128 bytes: a rank-16
+    row of float64), to be read soon and kept: LLVM's `llvm.prefetch`, which never faults, so a
+    row past the end is harmless. Changes no value."""
+    sig = types.void(arr, row)
+
+    def codegen(context, builder, signature, args):
+        a = context.make_array(signature.args[0])(context, builder, args[0])
+        i8p, i32, i64 = ir.IntType(8).as_pointer(), ir.IntType(32), ir.IntType(64)
+        start = builder.add(builder.ptrtoint(a.data, i64),
+                            builder.mul(args[1], builder.extract_value(a.strides, 0)))
+        fn = builder.module.declare_intrinsic("llvm.prefetch", [i8p], ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]))
+        for line in (0, 64):  # read, keep in all levels, data cache
+            ptr = builder.inttoptr(builder.add(start, ir.Constant(i64, line)), i8p)
+            builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen

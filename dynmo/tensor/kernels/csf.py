@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from dynmo.tensor.kernels.common import tasks
+from dynmo.tensor.kernels.common import prefetch_ahead, prefetch_row, tasks
 
 TILES = 16  # the leaf-mode tree's tiles: runs of the mode's rows of about equal nonzeros, a task each
 
@@ -116,7 +116,8 @@ class CSF:
             _csf_leaf(t.modes, t.fids, t.fids_off, t.fptr, t.fptr_off, t.values, t.bounds, f, offsets, out)
             return
         out[t.empty] = 0  # rows without a root slice; every other row is written whole
-        _csf_root(t.modes, t.fids, t.fids_off, t.fptr, t.fptr_off, t.values, t.bounds, f, offsets, out)
+        ahead = prefetch_ahead(f.shape[0] - self.sizes[mode], f.shape[1], f.itemsize)
+        _csf_root(t.modes, t.fids, t.fids_off, t.fptr, t.fptr_off, t.values, t.bounds, f, offsets, out, ahead)
 
 
 @njit(cache=True)
@@ -134,13 +135,14 @@ def _times_row(prod, level, f, row):
 
 
 @njit(parallel=True, cache=True)
-def _csf_root(modes, fids, fids_off, fptr, fptr_off, vals, bounds, f, offs, out):
+def _csf_root(modes, fids, fids_off, fptr, fptr_off, vals, bounds, f, offs, out, ahead):
     order = modes.size
     rank = f.shape[1]
     leaf = order - 1
     fib = order - 2  # the fibers' level, just above the leaves: fused with them
     leaf_off, leaf_row = fids_off[leaf], offs[modes[leaf]]
     fib_off, fib_row, fib_ptr = fids_off[fib], offs[modes[fib]], fptr_off[fib]
+    fibers = fids_off[fib + 1] - fib_off
     for t in prange(bounds.size - 1):
         acc = np.empty((max(1, fib), rank), dtype=out.dtype)  # acc[l]: the open node of level l's sum
         tmp = np.empty(rank, dtype=out.dtype)  # one fiber's sum over its leaves
@@ -161,6 +163,14 @@ def _csf_root(modes, fids, fids_off, fptr, fptr_off, vals, bounds, f, offs, out)
                 # the fibers under the open node of level fib - 1 (under the root itself when fib is 0)
                 qa, qb = (root, root + 1) if fib == 0 else _children(fptr, fptr_off, level, idx[level])
                 for q in range(qa, qb):
+                    if ahead > 0 and q + ahead < fibers:
+                        # the rows `ahead` fibers on: its first leaf's, its own, and on each level
+                        # above the node as far on (one per fiber where fibers are short)
+                        prefetch_row(f, leaf_row + fids[leaf_off + fptr[fib_ptr + q + ahead]])
+                        prefetch_row(f, fib_row + fids[fib_off + q + ahead])
+                        for lv in range(1, fib):
+                            if idx[lv] + ahead < fids_off[lv + 1] - fids_off[lv]:
+                                prefetch_row(f, offs[modes[lv]] + fids[fids_off[lv] + idx[lv] + ahead])
                     j0, j1 = fptr[fib_ptr + q], fptr[fib_ptr + q + 1]
                     v = vals[j0]
                     row = leaf_row + fids[leaf_off + j0]
