@@ -74,6 +74,8 @@ class Tree:
         if tiles is not None:  # a task per tile: the runs of roots of each tile
             self.bounds = np.searchsorted(tile_sorted[starts[0]], np.arange(int(tiles.max()) + 2)).astype(np.int64)
         self.roots = roots
+        # Fibers of 2 or more leaves on average: the root walk sums them 4 leaves a pass (`_csf_root`)
+        self.long_fibers = bool(nnz >= 2 * starts[order - 2].size)
         present = np.zeros(sizes[root], dtype=bool)
         present[s[0, starts[0]]] = True
         self.empty = np.flatnonzero(~present)  # the root mode's empty slices: output rows of zeros
@@ -117,7 +119,8 @@ class CSF:
             return
         out[t.empty] = 0  # rows without a root slice; every other row is written whole
         ahead = prefetch_ahead(f.shape[0] - self.sizes[mode], f.shape[1], f.itemsize)
-        _csf_root(t.modes, t.fids, t.fids_off, t.fptr, t.fptr_off, t.values, t.bounds, f, offsets, out, ahead)
+        _csf_root(t.modes, t.fids, t.fids_off, t.fptr, t.fptr_off, t.values, t.bounds, f, offsets, out, ahead,
+                  t.long_fibers)
 
 
 @njit(cache=True)
@@ -135,7 +138,7 @@ def _times_row(prod, level, f, row):
 
 
 @njit(parallel=True, cache=True)
-def _csf_root(modes, fids, fids_off, fptr, fptr_off, vals, bounds, f, offs, out, ahead):
+def _csf_root(modes, fids, fids_off, fptr, fptr_off, vals, bounds, f, offs, out, ahead, long_fibers):
     order = modes.size
     rank = f.shape[1]
     leaf = order - 1
@@ -176,11 +179,27 @@ def _csf_root(modes, fids, fids_off, fptr, fptr_off, vals, bounds, f, offs, out,
                     row = leaf_row + fids[leaf_off + j0]
                     for r in range(rank):
                         tmp[r] = v * f[row, r]
-                    for j in range(j0 + 1, j1):
-                        v = vals[j]
-                        row = leaf_row + fids[leaf_off + j]
-                        for r in range(rank):
-                            tmp[r] += v * f[row, r]
+                    if long_fibers:  # 4 leaves a pass, summed in pairs: a shorter chain of adds
+                        j = j0 + 1
+                        while j + 3 < j1:
+                            v0, v1, v2, v3 = vals[j], vals[j + 1], vals[j + 2], vals[j + 3]
+                            r0, r1 = leaf_row + fids[leaf_off + j], leaf_row + fids[leaf_off + j + 1]
+                            r2, r3 = leaf_row + fids[leaf_off + j + 2], leaf_row + fids[leaf_off + j + 3]
+                            for r in range(rank):
+                                tmp[r] += (v0 * f[r0, r] + v1 * f[r1, r]) + (v2 * f[r2, r] + v3 * f[r3, r])
+                            j += 4
+                        while j < j1:
+                            v = vals[j]
+                            row = leaf_row + fids[leaf_off + j]
+                            for r in range(rank):
+                                tmp[r] += v * f[row, r]
+                            j += 1
+                    else:  # kept apart: short fibers run this loop as it was, one leaf a pass
+                        for j in range(j0 + 1, j1):
+                            v = vals[j]
+                            row = leaf_row + fids[leaf_off + j]
+                            for r in range(rank):
+                                tmp[r] += v * f[row, r]
                     if fib == 0:
                         for r in range(rank):
                             acc[0, r] += tmp[r]
