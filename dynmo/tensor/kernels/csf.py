@@ -21,7 +21,7 @@ the mode's rows of about equal nonzeros, each tile a forest of its own nonzeros.
 tile, multiplying the rows down the path and adding value x that product into the leaf's output
 row: only that tile's rows, so again one writer per row, in tree order, for any thread count
 (SPLATT's leaf kernel on a tiled tree, without locks). The tiled copy replaces the mode's own
-tree when it has fewer nodes.
+tree when it has at most `LEAF_TREE_SHARE` of its nodes.
 """
 
 from __future__ import annotations
@@ -32,6 +32,11 @@ from numba import njit, prange
 from dynmo.tensor.kernels.common import prefetch_ahead, prefetch_row, tasks
 
 TILES = 16  # the leaf-mode tree's tiles: runs of the mode's rows of about equal nonzeros, a task each
+# The tiled copy serves a mode only with at most this share of the nodes of the mode's own tree:
+# its walk writes a row per leaf where the root walk sums in registers, so at equal size the own
+# tree is faster (a 4-mode tensor's last mode: 0.99 of the nodes, 1.5x the time); at 0.81 and 0.65
+# the tiled copy took 0.58x and 0.35x the time (interleaved runs of the two kernels).
+LEAF_TREE_SHARE = 0.9
 
 
 class Tree:
@@ -97,14 +102,14 @@ class CSF:
             if not other:
                 continue
             r = min(other, key=lambda r: self.trees[r].fids.size)
-            if self.trees[r].fids.size >= self.trees[m].fids.size:
+            if self.trees[r].fids.size > LEAF_TREE_SHARE * self.trees[m].fids.size:
                 continue
             per_row = np.zeros(self.sizes[m] + 1, dtype=np.int64)
             per_row[1:] = np.cumsum(np.bincount(coords[m], minlength=self.sizes[m]))
             cuts = tasks(per_row, TILES)
             tiled = Tree(coords, values, self.sizes, r, dtype,
                          tiles=np.searchsorted(cuts, coords[m], side="right").astype(np.int64) - 1)
-            if tiled.fids.size < self.trees[m].fids.size:
+            if tiled.fids.size <= LEAF_TREE_SHARE * self.trees[m].fids.size:
                 self.trees[m], self.leaf[m] = tiled, True
 
     @property
