@@ -58,8 +58,8 @@ def times_row(buf, f, row):
 
 # Factor rows a kernel reads at random, in bytes, past which it asks for them ahead of use
 # (`prefetch_row`): more than a core's L2 holds, so without the hint each row is a wait on L3 or
-# memory. Below it the rows stay in cache and the hints only cost instructions (measured: about
-# 5 % slower on a 5-mode tensor of 60-140 rows a mode, 1.3-2x faster on word n-gram tensors of
+# memory. Below it the rows stay in cache and the hints only cost instructions (measured: 1.2-1.4x
+# slower on a 5-mode tensor of 60-140 rows a mode, against 1.3-2x faster on word n-gram tensors of
 # 52,566 rows a mode).
 PREFETCH_BYTES = 2 << 20
 PREFETCH_AHEAD = 4  # fibers ahead: the best of 2, 3, 4, 8 and 16 on those n-gram tensors
