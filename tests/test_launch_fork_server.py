@@ -4,7 +4,6 @@ read end of the pipe that says its clients are gone, stdio) and nothing the agen
 multiprocessing after the imports, so that it ends when the agent dies; and what it forks must
 have the imports and a usable multiprocessing."""
 
-import os
 import subprocess
 import sys
 import time

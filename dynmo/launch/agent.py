@@ -120,7 +120,6 @@ def _start_fork_server() -> None:
     multiprocessing starts it, and imports what it can."""
     import importlib
     import multiprocessing.forkserver
-    import os
     from multiprocessing import util
 
     multiprocessing.forkserver.set_forkserver_preload(WORKER_PRELOAD)  # read when the server starts
